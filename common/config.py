@@ -1,0 +1,89 @@
+"""Engine and model configuration: the flags a user sets and the architecture facts read from the model."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a decoder-only model; one shape serves Llama, Mistral, Qwen2 and Qwen3."""
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        arch = cfg.get("model_type", "")
+        if arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"unsupported model_type {arch!r}; expected one of {', '.join(SUPPORTED_ARCHS)}")
+        rope = dict(cfg.get("rope_parameters") or {})
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+            scaling = None
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        return cls(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_scaling=dict(scaling) if scaling else None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass
+class EngineConfig:
+    """Every tunable of the engine; the CLI flags map one-to-one onto these fields."""
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 256
+    kv_cache_memory: float = 2.0          # GiB, CPU
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks: int | None = None     # overrides the memory budget (tests)
+    swap_space: float = 1.0               # GiB of host memory for swapped-out blocks
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    num_threads: int | None = None
+    tensor_parallel_size: int = 1
+    max_waiting_requests: int = 4096
+    max_waiting_tokens: int = 1 << 22
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,143 @@
+"""Every message that crosses a process boundary, defined once, with its msgpack wire form.
+
+Flow is one way: router -> scheduler (EngineRequest, AbortRequests), scheduler -> workers
+(SchedulerOutput: new requests once, then only deltas), workers -> scheduler (ModelRunnerOutput),
+scheduler -> routers (EngineOutputs).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from common.sampling_params import SamplingParams
+
+# One logprob record for one position: (chosen token's logprob, chosen token's rank, top ids, top logprobs).
+Logprob = tuple[float, int, list[int], list[float]]
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    client_id: str = ""
+
+
+@dataclass
+class AbortRequests:
+    """Abort whole requests, or with `indexes` (one per id, -1 = all) single choices of them."""
+    request_ids: list[str]
+    indexes: list[int] | None = None
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen (or has dropped, after a preemption)."""
+    req_id: str
+    token_ids: list[int]          # prompt + outputs so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_new_tokens: int           # tokens to run this step
+    seed: int | None = None
+
+
+@dataclass
+class CachedRequestData:
+    """Delta for a request the worker already holds: its block table from `blocks_from` on is replaced by
+    `block_ids` (appended blocks, or a copy-on-write replacement)."""
+    req_id: str
+    blocks_from: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    step_id: int
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)   # drop state (finished, aborted or preempted)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)       # (src, dst) device blocks
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.new_reqs) + sum(r.num_new_tokens for r in self.cached_reqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.new_reqs or self.cached_reqs or self.finished_req_ids or self.blocks_to_swap_out
+                    or self.blocks_to_swap_in or self.blocks_to_copy)
+
+
+@dataclass
+class ModelRunnerOutput:
+    step_id: int
+    req_ids: list[str] = field(default_factory=list)              # requests that sampled this step
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[Logprob] | None] = field(default_factory=list)
+    prompt_logprobs: dict[str, list[Logprob | None]] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class EngineOutput:
+    """New tokens of one sequence (choice `index` of request `request_id`) produced by one step."""
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    finish_reason: str | None = None       # "stop", "length", "abort", "error"
+    stop_reason: int | str | None = None
+    logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class EngineOutputs:
+    outputs: list[EngineOutput]
+    stats: dict[str, Any] | None = None
+
+
+# ---- wire form -------------------------------------------------------------------------------------
+_TYPES: list[type] = [EngineRequest, AbortRequests, NewRequestData, CachedRequestData, SchedulerOutput,
+                      ModelRunnerOutput, EngineOutput, EngineOutputs, SamplingParams]
+_TAG = {t: i for i, t in enumerate(_TYPES)}
+_FIELDS = {t: [f.name for f in dataclasses.fields(t)] for t in _TYPES}
+
+
+def _default(obj: Any) -> Any:
+    t = type(obj)
+    if t in _TAG:
+        if t is SamplingParams:
+            return msgpack.ExtType(_TAG[t], msgpack.packb(obj.to_dict(), default=_default))
+        return msgpack.ExtType(_TAG[t], msgpack.packb([getattr(obj, n) for n in _FIELDS[t]], default=_default))
+    raise TypeError(f"cannot encode {t.__name__}")
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    t = _TYPES[code]
+    values = msgpack.unpackb(data, ext_hook=_ext_hook, strict_map_key=False)
+    if t is SamplingParams:
+        return SamplingParams.from_dict(values)
+    obj = t.__new__(t)
+    obj.__dict__.update(zip(_FIELDS[t], values))
+    return obj
+
+
+def encode(msg: Any) -> bytes:
+    return msgpack.packb(msg, default=_default)
+
+
+def decode(data: bytes) -> Any:
+    return msgpack.unpackb(data, ext_hook=_ext_hook, strict_map_key=False)

@@ -1,0 +1,57 @@
+"""Paged attention over a flattened batch.
+
+The KV cache of one layer is a pair of tensors shaped [num_blocks, block_size, num_kv_heads, head_dim].
+A step runs `num_tokens` new tokens of `num_seqs` sequences concatenated (no padding). Sequence i owns
+query rows query_start_loc[i]:query_start_loc[i+1]; those tokens sit at positions
+context_lens[i] .. seq_lens[i]-1 and attend causally to every cached position < their own + 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor      # [num_tokens] int64: block_id * block_size + offset of each new token
+    query_start_loc: torch.Tensor   # [num_seqs + 1] int32
+    seq_lens: torch.Tensor          # [num_seqs] int32: context + new tokens
+    context_lens: torch.Tensor      # [num_seqs] int32: tokens already in the cache before this step
+    block_tables: torch.Tensor      # [num_seqs, max_blocks] int32, padded with 0
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    extra: dict[str, Any] = field(default_factory=dict)   # backend-specific, filled once per step by prepare()
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Precompute per-step index tensors once so each layer's forward only does tensor work."""
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> None: ...
+
+    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from gpu_worker.attention.torch_backend import TorchAttentionBackend
+        return TorchAttentionBackend()
+    if name == "triton":
+        from gpu_worker.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; expected auto, torch or triton")

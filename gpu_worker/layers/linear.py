@@ -1,0 +1,56 @@
+"""One linear layer type for every projection, so sharding, quantization and LoRA plug in at one place.
+
+A `Linear` owns its parameters and delegates the matmul to a `LinearMethod`. Fused projections (QKV,
+gate+up) are a single Linear whose output is the concatenation of named shards; the weight loader
+fills each shard by name, so tensor-parallel slicing later only changes `shard_ranges`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class LinearMethod:
+    """Unquantized weights: y = x W^T + b. Quantized and LoRA methods subclass this."""
+
+    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype),
+                                    requires_grad=False)
+
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        """Hook for repacking (quantize, transpose for a faster kernel) once the weights are in."""
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, layer.weight, layer.bias)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_shards: dict[str, int] | int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32, method: LinearMethod | None = None):
+        super().__init__()
+        shards = {"": out_shards} if isinstance(out_shards, int) else dict(out_shards)
+        self.in_features = in_features
+        self.out_features = sum(shards.values())
+        self.shard_ranges: dict[str, tuple[int, int]] = {}
+        off = 0
+        for name, size in shards.items():
+            self.shard_ranges[name] = (off, off + size)
+            off += size
+        self.method = method or LinearMethod()
+        self.method.create_weights(self, dtype)
+        self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def load(self, param: str, tensor: torch.Tensor, shard: str = "") -> None:
+        """Copy a checkpoint tensor into `param` ("weight" or "bias"), into the rows of `shard`."""
+        target = getattr(self, param)
+        lo, hi = self.shard_ranges[shard]
+        if tuple(tensor.shape) != (hi - lo, *target.shape[1:]):
+            raise ValueError(f"shape mismatch for {param}[{shard or 'all'}]: checkpoint {tuple(tensor.shape)}, "
+                             f"expected {(hi - lo, *target.shape[1:])}")
+        target.data[lo:hi].copy_(tensor)
+
+    def split(self, y: torch.Tensor) -> list[torch.Tensor]:
+        return [y[..., lo:hi] for lo, hi in self.shard_ranges.values()]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)

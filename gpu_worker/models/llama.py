@@ -1,0 +1,97 @@
+"""The Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm) over a flat batch.
+
+Inputs are the new tokens of every scheduled sequence concatenated into one [num_tokens] vector with
+their positions; attention reads and writes the paged KV cache through the backend and the step's
+metadata, so the model itself never sees sequences or padding.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.config import ModelConfig
+from gpu_worker.attention import AttentionBackend, AttentionMetadata
+from gpu_worker.layers.linear import Linear
+from gpu_worker.layers.norm import RMSNorm
+from gpu_worker.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.head_dim ** -0.5
+        self.qkv_proj = Linear(c.hidden_size, {"q": c.num_heads * c.head_dim, "k": c.num_kv_heads * c.head_dim,
+                                               "v": c.num_kv_heads * c.head_dim}, bias=c.qkv_bias, dtype=dtype)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, dtype=dtype)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        t = x.shape[0]
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        k_cache, v_cache = kv_cache
+        backend.write_kv(k, v, k_cache, v_cache, meta)
+        o = backend.forward(q, k_cache, v_cache, meta, self.scale, key=k, value=v)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = Linear(c.hidden_size, {"gate": c.intermediate_size, "up": c.intermediate_size},
+                                   dtype=dtype)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.self_attn = Attention(c, dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.mlp = MLP(c, dtype)
+
+    def forward(self, x, positions, rope, kv_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(c, dtype) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype=dtype)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rope, kv, meta, backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

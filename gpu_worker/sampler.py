@@ -1,0 +1,101 @@
+"""Batched sampling: every request's parameters become per-row tensors, so one step samples the whole
+batch with a handful of tensor ops whatever the mix of greedy, seeded, penalised and top-p requests.
+
+Order, as in vLLM: logprobs are taken from the raw logits; then logit_bias, min_tokens masking and
+penalties; then greedy argmax, or temperature, top-k, top-p, min-p and a draw. Draws use the
+exponential-race trick (argmax of p / q with q ~ Exp(1)); a seeded request draws q from its own
+generator, so its sample is the same alone or in any batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.protocol import Logprob
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor                # [B] float; 0 rows are greedy
+    top_k: torch.Tensor | None = None        # [B] long; vocab size where off
+    top_p: torch.Tensor | None = None        # [B] float
+    min_p: torch.Tensor | None = None        # [B] float
+    all_greedy: bool = False
+    generators: dict[int, torch.Generator] = field(default_factory=dict)   # row -> seeded generator
+    presence: torch.Tensor | None = None     # [B]
+    frequency: torch.Tensor | None = None    # [B]
+    repetition: torch.Tensor | None = None   # [B]
+    output_counts: torch.Tensor | None = None   # [B, V] counts of generated tokens
+    prompt_mask: torch.Tensor | None = None     # [B, V] bool, prompt tokens (repetition penalty)
+    bias_rows: torch.Tensor | None = None       # logit_bias as coordinates and values
+    bias_cols: torch.Tensor | None = None
+    bias_vals: torch.Tensor | None = None
+    ban_rows: torch.Tensor | None = None        # min_tokens: (row, token) pairs forced to -inf
+    ban_cols: torch.Tensor | None = None
+    max_logprobs: int = -1                      # -1: nobody asked
+
+
+def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    if b.bias_rows is not None:
+        logits.index_put_((b.bias_rows, b.bias_cols), b.bias_vals, accumulate=True)
+    if b.ban_rows is not None:
+        logits[b.ban_rows, b.ban_cols] = float("-inf")
+    if b.repetition is not None:
+        seen = b.prompt_mask | (b.output_counts > 0)
+        rep = b.repetition[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    if b.frequency is not None:
+        logits = logits - b.frequency[:, None] * b.output_counts - b.presence[:, None] * (b.output_counts > 0)
+    return logits
+
+
+def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """top-k, then top-p over the sorted distribution, then min-p; masked entries become -inf."""
+    if b.top_k is not None or b.top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if b.top_k is not None:
+            ranks = torch.arange(logits.shape[-1], device=logits.device)
+            mask |= ranks[None, :] >= b.top_k[:, None]
+            sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+        if b.top_p is not None:
+            probs = sorted_logits.softmax(-1)
+            before = probs.cumsum(-1) - probs               # mass strictly above this token
+            mask |= before > b.top_p[:, None]
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(mask, float("-inf")))
+    if b.min_p is not None:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < b.min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, list[list[Logprob]] | None]:
+    """logits [B, V] float32 -> sampled ids [B], and per-row logprob records if any row asked."""
+    raw_logprobs = logits.log_softmax(-1) if b.max_logprobs >= 0 else None
+    logits = apply_penalties(logits, b)
+    greedy_ids = logits.argmax(-1)
+    if b.all_greedy:
+        ids = greedy_ids
+    else:
+        temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
+        probs = _filter(logits / temp[:, None], b).softmax(-1)
+        q = torch.empty_like(probs).exponential_()
+        for row, gen in b.generators.items():
+            q[row].exponential_(generator=gen)
+        ids = torch.where(b.temperature > 0, (probs / q).argmax(-1), greedy_ids)
+    return ids, (_logprobs(raw_logprobs, ids, b.max_logprobs) if raw_logprobs is not None else None)
+
+
+def _logprobs(lp: torch.Tensor, ids: torch.Tensor, k: int) -> list[list[Logprob]]:
+    chosen = lp.gather(-1, ids[:, None]).squeeze(-1)
+    ranks = (lp > chosen[:, None]).sum(-1) + 1
+    top_v, top_i = lp.topk(max(k, 0), dim=-1) if k > 0 else (lp[:, :0], ids[:, None][:, :0])
+    return [[(c, r, ti, tv)] for c, r, ti, tv in
+            zip(chosen.tolist(), ranks.tolist(), top_i.tolist(), top_v.tolist())]
+
+
+def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> list[Logprob]:
+    """Logprob records of the actual next prompt tokens given each prompt position's logits."""
+    lp = logits.log_softmax(-1)
+    return [rec[0] for rec in _logprobs(lp, next_ids, k)]

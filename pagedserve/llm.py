@@ -1,0 +1,121 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))` and `.chat(messages)`.
+
+It runs the same engine core as the server, with the model runner in this process.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, fields
+from typing import Any
+
+from common.config import EngineConfig
+from common.model_source import ModelSource, eos_token_ids
+from common.output_processor import RequestTracker
+from common.protocol import EngineRequest, Logprob
+from common.sampling_params import SamplingParams
+from scheduler.engine_core import EngineCore
+from scheduler.executor import InprocExecutor
+
+log = logging.getLogger("pagedserve")
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[Logprob] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[Logprob | None] | None
+    num_cached_tokens: int
+    finished: bool = True
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        names = {f.name for f in fields(EngineConfig)}
+        unknown = set(kwargs) - names
+        if unknown:
+            raise TypeError(f"unknown LLM options: {', '.join(sorted(unknown))}")
+        self.config = EngineConfig(model=model, **kwargs)
+        self.source = ModelSource.resolve(model)
+        self.tokenizer = self.source.load_tokenizer()
+        self.eos_token_ids = eos_token_ids(self.source.model_config(), self.tokenizer)
+        self.engine = EngineCore(self.config, InprocExecutor(self.config, self.source), self.eos_token_ids)
+        self._ids = itertools.count()
+
+    @property
+    def stats(self):
+        return self.engine.scheduler.stats
+
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        trackers: dict[str, tuple[RequestTracker, str | None]] = {}
+        order = []
+        for prompt, sp in zip(prompts, params):
+            text = prompt if isinstance(prompt, str) else None
+            ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+            rid = str(next(self._ids))
+            self.engine.add_request(EngineRequest(rid, ids, sp))
+            trackers[rid] = (RequestTracker(rid, ids, sp, self.tokenizer), text)
+            order.append(rid)
+        self._run(trackers, use_tqdm)
+        return [self._output(*trackers[rid]) for rid in order]
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in convs]
+        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        outs = self.generate(ids, sampling_params, use_tqdm)
+        for o, p in zip(outs, prompts):
+            o.prompt = p
+        return outs
+
+    def _run(self, trackers: dict[str, tuple[RequestTracker, str | None]], use_tqdm: bool) -> None:
+        pending = set(trackers)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(pending), desc="Processed prompts", dynamic_ncols=True)
+        while pending:
+            aborts = []
+            for eo in self.engine.step():
+                tr = trackers[eo.request_id][0]
+                delta = tr.process(eo)
+                if delta is not None and delta.abort_engine:
+                    aborts.append((eo.request_id, eo.index))
+                if tr.finished and eo.request_id in pending:
+                    pending.discard(eo.request_id)
+                    if bar:
+                        bar.update(1)
+            if aborts:
+                self.engine.scheduler.abort_requests([a[0] for a in aborts], [a[1] for a in aborts])
+            if pending and not self.engine.has_unfinished():
+                raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
+        if bar:
+            bar.close()
+
+    @staticmethod
+    def _output(tr: RequestTracker, prompt: str | None) -> RequestOutput:
+        outs = [CompletionOutput(c.index, c.text, c.token_ids, c.logprobs if tr.params.logprobs is not None else None,
+                                 c.finish_reason, c.stop_reason) for c in tr.choices]
+        return RequestOutput(tr.request_id, prompt, tr.prompt_token_ids, outs,
+                             tr.prompt_logprobs if tr.params.prompt_logprobs is not None else None,
+                             tr.num_cached_tokens)

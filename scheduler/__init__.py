@@ -1,0 +1,1 @@
+"""The scheduler: request queues, the block pool and the KV cache manager. Plain Python, no tensors."""

@@ -1,0 +1,51 @@
+"""The engine core: one scheduler plus an executor, stepped in a loop by the offline API or by the
+scheduler process. It turns requests into per-sequence outputs and knows nothing of text."""
+from __future__ import annotations
+
+import logging
+
+from common.config import EngineConfig
+from common.protocol import EngineOutput, EngineRequest
+from scheduler.executor import Executor
+from scheduler.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("pagedserve.engine")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor, eos_token_ids: list[int]):
+        self.config = config
+        self.executor = executor
+        info = executor.initialize(eos_token_ids)
+        self.max_model_len = info["max_model_len"]
+        self.num_blocks = info["num_blocks"]
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len, block_size=config.block_size, num_blocks=info["num_blocks"],
+            num_host_blocks=info["num_host_blocks"], enable_prefix_caching=config.enable_prefix_caching,
+            max_waiting_requests=config.max_waiting_requests, max_waiting_tokens=config.max_waiting_tokens),
+            eos_token_ids)
+        tokens = info["num_blocks"] * config.block_size
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d host blocks for swap; %.1f concurrent requests "
+                 "at max_model_len %d", info["num_blocks"], config.block_size,
+                 info["num_blocks"] * info["block_bytes"] / (1 << 30), info["num_host_blocks"],
+                 tokens / self.max_model_len, self.max_model_len)
+
+    def add_request(self, req: EngineRequest) -> None:
+        self.scheduler.add_request(req)
+
+    def abort(self, request_ids: list[str]) -> list[EngineOutput]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.executor.execute(sched)
+        return self.scheduler.update_from_output(sched, result)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

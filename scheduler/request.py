@@ -1,0 +1,91 @@
+"""The scheduler's view of one sequence: tokens, progress and status. A request with n > 1 becomes n
+sequences that share the prompt's KV blocks; sequence i of request R has req_id R (i = 0) or R#i."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from common.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+def hash_block(parent: int | None, tokens: list[int]) -> int:
+    """Chained block hash: a block's identity includes every token before it."""
+    return hash((parent, tuple(tokens)))
+
+
+@dataclass(eq=False)
+class Request:
+    req_id: str
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    eos_token_ids: frozenset[int]
+    arrival_time: float = field(default_factory=time.monotonic)
+    client_id: str = ""
+    seed: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1          # prefix-cache hit at first admission (-1: not admitted yet)
+    status: Status = Status.WAITING
+    on_worker: bool = False              # the worker holds this sequence's state
+    worker_num_blocks: int = 0           # length of the block table the worker holds
+    pending_fork: bool = False           # an n > 1 parent whose siblings are forked after its prefill
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    block_hashes: list[int] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def full_block_hashes(self, block_size: int, num_tokens: int) -> list[int]:
+        """Hashes of the full blocks within the first num_tokens tokens, extended incrementally."""
+        want = num_tokens // block_size
+        if len(self.block_hashes) < want:
+            tokens = self.all_token_ids
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            for b in range(len(self.block_hashes), want):
+                parent = hash_block(parent, tokens[b * block_size:(b + 1) * block_size])
+                self.block_hashes.append(parent)
+        return self.block_hashes[:want]
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Apply stop conditions that need no text (stop strings are the detokenizer's job)."""
+        sp = self.sampling_params
+        n_out = len(self.output_token_ids)
+        last = self.output_token_ids[-1]
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and last in self.eos_token_ids:
+                self.finish_reason, self.stop_reason = "stop", None
+                return True
+            if last in sp.stop_token_ids:
+                self.finish_reason, self.stop_reason = "stop", last
+                return True
+        if n_out >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason = "length"
+            return True
+        return False

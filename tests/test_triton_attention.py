@@ -1,0 +1,208 @@
+"""TritonAttentionBackend against the torch reference backend.
+
+Without a GPU the Triton kernels run in the Triton interpreter (TRITON_INTERPRET=1). The env var must be
+set before the kernels are jitted; the backend jits lazily on first launch and reads the mode then, so
+setting it here works even if triton (or the backend module) was imported earlier in the session.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+
+from gpu_worker.attention import AttentionMetadata  # noqa: E402
+from gpu_worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from gpu_worker.attention.triton_backend import TritonAttentionBackend, _interpret_mode  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=2e-2)}
+
+# Mixed batch: decodes (incl. one at position 0), chunks with cached context (incl. one spanning
+# several query tiles and one with context not aligned to the block size), fresh prefills.
+MIXED = [(20, 1), (0, 19), (13, 7), (5, 1), (0, 1), (33, 17), (0, 3), (8, 8)]
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_on_cpu() -> None:
+    """Guard against another test module having reset TRITON_INTERPRET after this one was imported."""
+    if DEVICE.type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+        assert _interpret_mode()
+
+
+def make_meta(seqs: list[tuple[int, int]], block_size: int, num_blocks: int,
+              gen: torch.Generator) -> AttentionMetadata:
+    """Metadata for sequences given as (context_len, query_len), with blocks drawn from a random
+    permutation of the cache so block tables are non-contiguous and unordered."""
+    ctx = [c for c, _ in seqs]
+    ql = [q for _, q in seqs]
+    sl = [c + q for c, q in seqs]
+    nblk = [(s + block_size - 1) // block_size for s in sl]
+    assert sum(nblk) <= num_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    max_blocks = max(nblk)
+    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(nblk):
+        tables[i, :n] = perm[used:used + n]
+        used += n
+    slots = []
+    for i, (c, s) in enumerate(zip(ctx, sl)):
+        pos = torch.arange(c, s)
+        slots.append(tables[i, pos // block_size].long() * block_size + pos % block_size)
+    qsl = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(ql), 0)
+    return AttentionMetadata(
+        slot_mapping=torch.cat(slots).to(DEVICE),
+        query_start_loc=qsl.to(DEVICE),
+        seq_lens=torch.tensor(sl, dtype=torch.int32, device=DEVICE),
+        context_lens=torch.tensor(ctx, dtype=torch.int32, device=DEVICE),
+        block_tables=tables.to(DEVICE),
+        block_size=block_size,
+        max_query_len=max(ql),
+        max_seq_len=max(sl),
+        query_lens_list=ql,
+        seq_lens_list=sl,
+    )
+
+
+def clone_meta(meta: AttentionMetadata) -> AttentionMetadata:
+    """Same step for the other backend, with its own `extra` so the two prepare() calls do not mix."""
+    return AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.context_lens,
+                             meta.block_tables, meta.block_size, meta.max_query_len, meta.max_seq_len,
+                             list(meta.query_lens_list), list(meta.seq_lens_list))
+
+
+def rand(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=gen).to(dtype=dtype, device=DEVICE)
+
+
+def run_both(seqs: list[tuple[int, int]], hq: int, hkv: int, head_dim: int, block_size: int,
+             dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a batch over a randomly filled cache (no write): Triton vs torch outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum((c + q + block_size - 1) // block_size for c, q in seqs) + 3
+    meta = make_meta(seqs, block_size, num_blocks, gen)
+    k_cache = rand((num_blocks, block_size, hkv, head_dim), dtype, gen)
+    v_cache = rand((num_blocks, block_size, hkv, head_dim), dtype, gen)
+    query = rand((sum(q for _, q in seqs), hq, head_dim), dtype, gen)
+    scale = head_dim ** -0.5
+    tri, ref = TritonAttentionBackend(), TorchAttentionBackend()
+    meta_ref = clone_meta(meta)
+    tri.prepare(meta)
+    ref.prepare(meta_ref)
+    out = tri.forward(query, k_cache, v_cache, meta, scale)
+    expected = ref.forward(query, k_cache, v_cache, meta_ref, scale)
+    return out, expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (8, 1)])
+def test_forward_mixed_batch_matches_torch(hq: int, hkv: int, block_size: int, dtype: torch.dtype) -> None:
+    out, expected = run_both(MIXED, hq, hkv, 64, block_size, dtype)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("head_dim", [128, 80], ids=["d128", "d80-non-pow2"])
+def test_forward_head_dims(head_dim: int) -> None:
+    out, expected = run_both([(9, 1), (0, 6), (11, 5)], 2, 1, head_dim, 16, torch.float32, seed=1)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (3, 3)], ids=["gqa-g3", "mha"])
+def test_forward_odd_group_sizes(hq: int, hkv: int) -> None:
+    # G = 3 packs 5 tokens x 3 heads into 16 score rows (one padding row); G = 1 is plain MHA.
+    out, expected = run_both([(4, 1), (0, 12), (7, 9)], hq, hkv, 32, 8, torch.float32, seed=2)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+
+
+def test_forward_decode_only_and_tiles_cached() -> None:
+    gen = torch.Generator().manual_seed(3)
+    meta = make_meta([(7, 1), (30, 1), (0, 1)], 8, 12, gen)
+    TritonAttentionBackend().prepare(meta)
+    tile_seq, tile_qoff = meta.extra["triton_tiles"][16]
+    assert tile_seq.tolist() == [0, 1, 2] and tile_qoff.tolist() == [0, 0, 0]
+    out, expected = run_both([(7, 1), (30, 1), (0, 1)], 4, 4, 16, 8, torch.float32, seed=3)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+
+
+def test_tile_bookkeeping() -> None:
+    gen = torch.Generator().manual_seed(4)
+    meta = make_meta([(0, 17), (5, 1), (2, 16)], 16, 8, gen)
+    backend = TritonAttentionBackend()
+    backend.prepare(meta)
+    tile_seq, tile_qoff = backend._tiles(meta, 8)
+    assert tile_seq.tolist() == [0, 0, 0, 1, 2, 2]
+    assert tile_qoff.tolist() == [0, 8, 16, 0, 0, 8]
+    assert backend._tiles(meta, 8)[0] is tile_seq            # cached for the rest of the step's layers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_write_kv_matches_torch(block_size: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    meta = make_meta(MIXED, block_size, 40, gen)
+    t = len(meta.slot_mapping)
+    key, value = rand((t, 3, 24), dtype, gen), rand((t, 3, 24), dtype, gen)
+    k0, v0 = rand((40, block_size, 3, 24), dtype, gen), rand((40, block_size, 3, 24), dtype, gen)
+    kt, vt, kr, vr = k0.clone(), v0.clone(), k0.clone(), v0.clone()
+    TritonAttentionBackend().write_kv(key, value, kt, vt, meta)
+    TorchAttentionBackend().write_kv(key, value, kr, vr, clone_meta(meta))
+    assert torch.equal(kt, kr) and torch.equal(vt, vr)
+    assert not torch.equal(kt, k0)
+
+
+def test_write_kv_skips_padding_slots() -> None:
+    gen = torch.Generator().manual_seed(6)
+    meta = make_meta([(3, 4)], 8, 4, gen)
+    meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((2,), -1, device=DEVICE)])  # 2 padding tokens
+    key, value = rand((6, 2, 16), torch.float32, gen), rand((6, 2, 16), torch.float32, gen)
+    k_cache, v_cache = torch.zeros(4, 8, 2, 16, device=DEVICE), torch.zeros(4, 8, 2, 16, device=DEVICE)
+    TritonAttentionBackend().write_kv(key, value, k_cache, v_cache, meta)
+    slots = meta.slot_mapping[:4]
+    assert torch.equal(k_cache.view(-1, 2, 16)[slots], key[:4])
+    assert torch.equal(v_cache.view(-1, 2, 16)[slots], value[:4])
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 4      # nothing else written, no wrap to slot -1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_write_then_forward_matches_torch(dtype: torch.dtype) -> None:
+    """Full layer step: each backend writes this step's K/V into its own cache copy, then attends.
+    The torch backend uses key/value directly for fresh prefills; Triton reads everything from the cache."""
+    gen = torch.Generator().manual_seed(7)
+    hq, hkv, d, bs = 4, 2, 32, 8
+    meta = make_meta(MIXED, bs, 24, gen)
+    t = len(meta.slot_mapping)
+    query, key, value = rand((t, hq, d), dtype, gen), rand((t, hkv, d), dtype, gen), rand((t, hkv, d), dtype, gen)
+    k0, v0 = rand((24, bs, hkv, d), dtype, gen), rand((24, bs, hkv, d), dtype, gen)
+    kt, vt, kr, vr = k0.clone(), v0.clone(), k0.clone(), v0.clone()
+    tri, ref = TritonAttentionBackend(), TorchAttentionBackend()
+    meta_ref = clone_meta(meta)
+    tri.prepare(meta)
+    ref.prepare(meta_ref)
+    tri.write_kv(key, value, kt, vt, meta)
+    ref.write_kv(key, value, kr, vr, meta_ref)
+    out = tri.forward(query, kt, vt, meta, 0.2, key=key, value=value)
+    expected = ref.forward(query, kr, vr, meta_ref, 0.2, key=key, value=value)
+    assert torch.equal(kt, kr) and torch.equal(vt, vr)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+def test_rejects_bad_shapes() -> None:
+    gen = torch.Generator().manual_seed(8)
+    meta = make_meta([(0, 2)], 8, 2, gen)
+    backend = TritonAttentionBackend()
+    backend.prepare(meta)
+    cache = torch.zeros(2, 8, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple"):
+        backend.forward(torch.zeros(2, 3, 16, device=DEVICE), cache, cache, meta, 1.0)
+    with pytest.raises(ValueError, match="head_dim"):
+        backend.forward(torch.zeros(2, 2, 32, device=DEVICE), cache, cache, meta, 1.0)
