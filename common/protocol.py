@@ -101,17 +101,41 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    queue_time: float | None = None        # seconds from arrival to first scheduling, on the first output
 
 
 @dataclass
 class EngineOutputs:
     outputs: list[EngineOutput]
-    stats: dict[str, Any] | None = None
+
+
+@dataclass
+class Hello:
+    """A router announcing itself (and, repeated, that it is alive)."""
+    client_id: str
+
+
+@dataclass
+class Ack:
+    """The scheduler's answer to each EngineRequest: accepted (code 200) or rejected with an HTTP code."""
+    request_id: str
+    code: int = 200
+    error: str | None = None
+    param: str | None = None
+
+
+@dataclass
+class Stats:
+    """Broadcast by the scheduler every heartbeat: readiness, queue gauges and cumulative counters."""
+    ready: bool
+    dead: str | None
+    max_model_len: int
+    values: dict[str, Any]
 
 
 # ---- wire form -------------------------------------------------------------------------------------
 _TYPES: list[type] = [EngineRequest, AbortRequests, NewRequestData, CachedRequestData, SchedulerOutput,
-                      ModelRunnerOutput, EngineOutput, EngineOutputs, SamplingParams]
+                      ModelRunnerOutput, EngineOutput, EngineOutputs, SamplingParams, Hello, Ack, Stats]
 _TAG = {t: i for i, t in enumerate(_TYPES)}
 _FIELDS = {t: [f.name for f in dataclasses.fields(t)] for t in _TYPES}
 

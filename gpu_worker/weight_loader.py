@@ -81,7 +81,7 @@ def iter_gguf(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
             arr = _unpermute_rope(arr, mc.num_heads)
         elif mc.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             arr = _unpermute_rope(arr, mc.num_kv_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+        yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: F32 tensors are read-only memmaps
 
 
 def load_weights(model: torch.nn.Module, source: ModelSource) -> None:

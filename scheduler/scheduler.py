@@ -218,6 +218,9 @@ class Scheduler:
         if req.num_computed_tokens < req.num_prompt_tokens:
             self.stats.prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
         req.num_computed_tokens += n
+        # Blocks this step fills are findable at once: a later request in this same step may hit them,
+        # which is safe because every layer writes the step's K/V before any of its attention reads.
+        self.kv.cache_full_blocks(req)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.stats.num_preemptions += 1
@@ -253,7 +256,6 @@ class Scheduler:
             if req.pending_fork:
                 self._fork(req)
             stopped = req.check_stop(max_len)
-            self.kv.cache_full_blocks(req)
             eo = EngineOutput(req.request_id, req.index, new,
                               logprobs=result.logprobs[k] if result.logprobs else None,
                               num_prompt_tokens=req.num_prompt_tokens,
@@ -269,10 +271,6 @@ class Scheduler:
             if req is not None and req_id not in result.req_ids:
                 outs.append(EngineOutput(req.request_id, req.index, [], prompt_logprobs=plp,
                                          num_prompt_tokens=req.num_prompt_tokens))
-        for r in sched.new_reqs + sched.cached_reqs:          # register blocks of unfinished prefill chunks
-            req = self.requests.get(r.req_id)
-            if req is not None and not req.is_finished and req.status is Status.RUNNING:
-                self.kv.cache_full_blocks(req)
         return outs
 
     def _fork(self, parent: Request) -> None:
