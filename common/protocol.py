@@ -125,6 +125,19 @@ class Ack:
 
 
 @dataclass
+class WorkerInit:
+    """Scheduler -> worker after it connects: finish start-up (size and allocate the KV cache)."""
+    eos_token_ids: list[int]
+
+
+@dataclass
+class WorkerReady:
+    """Worker -> scheduler: start-up done; `info` holds num_blocks, num_host_blocks, max_model_len."""
+    rank: int
+    info: dict[str, Any]
+
+
+@dataclass
 class Stats:
     """Broadcast by the scheduler every heartbeat: readiness, queue gauges and cumulative counters."""
     ready: bool
@@ -135,7 +148,8 @@ class Stats:
 
 # ---- wire form -------------------------------------------------------------------------------------
 _TYPES: list[type] = [EngineRequest, AbortRequests, NewRequestData, CachedRequestData, SchedulerOutput,
-                      ModelRunnerOutput, EngineOutput, EngineOutputs, SamplingParams, Hello, Ack, Stats]
+                      ModelRunnerOutput, EngineOutput, EngineOutputs, SamplingParams, Hello, Ack, Stats,
+          WorkerInit, WorkerReady]
 _TAG = {t: i for i, t in enumerate(_TYPES)}
 _FIELDS = {t: [f.name for f in dataclasses.fields(t)] for t in _TYPES}
 

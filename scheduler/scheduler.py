@@ -260,6 +260,8 @@ class Scheduler:
                               logprobs=result.logprobs[k] if result.logprobs else None,
                               num_prompt_tokens=req.num_prompt_tokens,
                               num_cached_tokens=max(req.num_cached_tokens, 0))
+            if len(req.output_token_ids) == len(new) and req.first_scheduled_time is not None:
+                eo.queue_time = max(0.0, req.first_scheduled_time - req.arrival_time)
             if req_id in result.prompt_logprobs:
                 eo.prompt_logprobs = result.prompt_logprobs[req_id]
             if stopped:

@@ -1,0 +1,46 @@
+"""A worker process: one per tensor-parallel rank. It connects to the scheduler, loads the model, and
+then executes each step it receives; rank 0 returns the sampled tokens."""
+from __future__ import annotations
+
+import logging
+import traceback
+
+import zmq
+
+from common.config import EngineConfig
+from common.process import die_with_parent
+from common.protocol import Hello, ModelRunnerOutput, SchedulerOutput, WorkerInit, WorkerReady, decode, encode
+
+log = logging.getLogger("pagedserve.worker")
+
+
+def run_worker(config: EngineConfig, address: str, rank: int = 0) -> None:
+    from gpu_worker.model_runner import ModelRunner
+    from scheduler.executor import initialize_runner
+    die_with_parent()
+    runner = ModelRunner(config)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"worker-{rank}".encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    sock.send(encode(Hello(f"worker-{rank}")))
+    log.info("worker %d connected to %s", rank, address)
+    try:
+        while True:
+            msg = decode(sock.recv())
+            if isinstance(msg, SchedulerOutput):
+                try:
+                    out = runner.execute(msg)
+                except Exception:   # report, so the scheduler fails requests instead of waiting forever
+                    log.exception("step %d failed", msg.step_id)
+                    out = ModelRunnerOutput(step_id=msg.step_id, error=traceback.format_exc(limit=5))
+                if rank == 0:
+                    sock.send(encode(out))
+            elif isinstance(msg, WorkerInit):
+                sock.send(encode(WorkerReady(rank, initialize_runner(runner, msg.eos_token_ids))))
+            elif msg is None:   # shutdown
+                break
+    finally:
+        sock.close(0)
+        ctx.term()

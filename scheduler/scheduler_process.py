@@ -1,0 +1,208 @@
+"""The scheduler process: receives requests from router replicas, steps the engine core against the
+worker processes, and sends each replica the new tokens of its own requests.
+
+While a step runs on the workers this loop keeps serving the routers (adds, aborts, heartbeats), so a
+new request or a disconnect is seen within one step.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections import defaultdict
+
+import zmq
+
+from common.config import EngineConfig
+from common.model_source import ModelSource, eos_token_ids
+from common.process import die_with_parent
+from common.protocol import (AbortRequests, Ack, EngineOutput, EngineOutputs, EngineRequest, Hello, ModelRunnerOutput,
+                             SchedulerOutput, Stats, decode, encode)
+from common.sampling_params import SamplingParams
+from scheduler.engine_core import EngineCore
+from scheduler.executor import WorkerDied, ZmqExecutor
+from scheduler.scheduler import RequestRejected
+
+log = logging.getLogger("pagedserve.scheduler")
+
+HEARTBEAT_S = 0.5
+STATS_LOG_S = 10.0
+CLIENT_TTL_S = 10.0
+
+
+class SchedulerProcess:
+    def __init__(self, config: EngineConfig, frontend: str, workers: str, num_workers: int = 1):
+        self.ctx = zmq.Context()
+        self.front = self.ctx.socket(zmq.ROUTER)
+        self.front.setsockopt(zmq.LINGER, 0)
+        self.front.bind(frontend)
+        self.clients: dict[bytes, float] = {}        # router identity -> last heard
+        self.owner: dict[str, bytes] = {}            # request id -> router identity
+        self.dead: str | None = None
+        self.ready = False
+        self.stopping = False
+        self.inflight: SchedulerOutput | None = None
+        self.last_heartbeat = self.last_log = 0.0
+        self.last_counts = (0, 0, time.monotonic())
+        source = ModelSource.resolve(config.model)
+        eos = eos_token_ids(source.model_config(), source.load_tokenizer())
+        self.executor = ZmqExecutor(self.ctx, workers, num_workers)
+        self.core = EngineCore(config, self.executor, eos)
+        self.sched = self.core.scheduler
+
+    # ---- main loop ---------------------------------------------------------------------------
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        self._warm_up()
+        while not self.stopping:
+            try:
+                self._drain_frontend(timeout_ms=0 if self._busy() else int(HEARTBEAT_S * 1000))
+                if not self.dead:
+                    self._advance()
+            except WorkerDied as e:
+                self._die(str(e))
+            self._heartbeat()
+        self._shutdown()
+
+    def _busy(self) -> bool:
+        return self.inflight is not None or (not self.dead and self.sched.has_unfinished())
+
+    def _advance(self) -> None:
+        """Submit the next step if none is running; collect a finished one, serving routers meanwhile."""
+        if self.inflight is None and self.sched.has_unfinished():
+            sched = self.sched.schedule()
+            if sched.is_empty:
+                return
+            self.executor.submit(sched)
+            self.inflight = sched
+        if self.inflight is not None:
+            result = self.executor.poll_result(timeout_ms=1)
+            while result is None:
+                self._drain_frontend(timeout_ms=0)
+                self._heartbeat()
+                if self.stopping:
+                    return
+                result = self.executor.poll_result(timeout_ms=5)
+            self._finish_step(self.inflight, result)
+
+    def _finish_step(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        self.inflight = None
+        self._route(self.sched.update_from_output(sched, result))
+
+    def _warm_up(self) -> None:
+        """One tiny request through the whole path before /ready turns green."""
+        t0 = time.perf_counter()
+        self.core.add_request(EngineRequest("__warmup__", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0,
+                                                                                       ignore_eos=True)))
+        while self.core.has_unfinished():
+            self.core.step()
+        self.ready = True
+        log.info("warm-up done in %.2fs; ready", time.perf_counter() - t0)
+
+    # ---- routers -----------------------------------------------------------------------------
+    def _drain_frontend(self, timeout_ms: int) -> None:
+        if not self.front.poll(timeout_ms):
+            return
+        while True:
+            try:
+                ident, data = self.front.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.clients[ident] = time.monotonic()
+            self._handle(ident, decode(data))
+
+    def _handle(self, ident: bytes, msg) -> None:
+        if isinstance(msg, EngineRequest):
+            ack = Ack(msg.request_id)
+            if self.dead or self.stopping or not self.ready:
+                ack.code, ack.error = 503, self.dead or "the engine is not ready"
+            else:
+                try:
+                    msg.arrival_time = time.monotonic()   # router clocks are not ours
+                    self.core.add_request(msg)
+                    self.owner[msg.request_id] = ident
+                except RequestRejected as e:
+                    ack.code, ack.error, ack.param = e.code, str(e), e.param
+            self._send(ident, ack)
+        elif isinstance(msg, AbortRequests):
+            outs = self.core.abort([r for r in msg.request_ids], msg.indexes)
+            self._route(outs)
+        elif isinstance(msg, Hello):
+            pass
+
+    def _route(self, outputs: list[EngineOutput]) -> None:
+        by_client: dict[bytes, list[EngineOutput]] = defaultdict(list)
+        for eo in outputs:
+            ident = self.owner.get(eo.request_id)
+            if ident is not None:
+                by_client[ident].append(eo)
+        for ident, outs in by_client.items():
+            self._send(ident, EngineOutputs(outs))
+        for eo in outputs:
+            if eo.request_id not in self.sched.groups:
+                self.owner.pop(eo.request_id, None)
+
+    def _send(self, ident: bytes, msg) -> None:
+        try:
+            self.front.send_multipart([ident, encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            log.warning("dropping a message for an unreachable router %r", ident)
+
+    # ---- health and stats --------------------------------------------------------------------
+    def _die(self, reason: str) -> None:
+        """A worker is gone: fail every request at once and report dead until stopped."""
+        log.error("engine dead: %s", reason)
+        self.dead = reason
+        self.inflight = None
+        ids = list(self.sched.groups)
+        self.sched.abort_requests(ids)
+        self._route([EngineOutput(rid, -1, [], finish_reason="error", error=f"engine failure: {reason}")
+                     for rid in ids])
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self.last_heartbeat < HEARTBEAT_S:
+            return
+        self.last_heartbeat = now
+        stats = Stats(self.ready and not self.stopping, self.dead, self.core.max_model_len, self.values())
+        for ident, seen in list(self.clients.items()):
+            if now - seen > CLIENT_TTL_S:
+                del self.clients[ident]
+            else:
+                self._send(ident, stats)
+        if now - self.last_log >= STATS_LOG_S:
+            self._log_stats(now)
+
+    def values(self) -> dict:
+        st = self.sched.stats
+        return {**self.sched.snapshot(), "num_preemptions": st.num_preemptions,
+                "prompt_tokens": st.prompt_tokens, "generation_tokens": st.generation_tokens,
+                "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
+                "admission_rejections": st.admission_rejections, "finished": dict(st.finished)}
+
+    def _log_stats(self, now: float) -> None:
+        st = self.sched.stats
+        p0, g0, t0 = self.last_counts
+        dt = max(now - t0, 1e-6)
+        snap = self.sched.snapshot()
+        hit = st.prefix_cache_hits / st.prefix_cache_queries if st.prefix_cache_queries else 0.0
+        log.info("prompt %.1f tok/s, generation %.1f tok/s | running %d, waiting %d, swapped %d | KV cache %.1f%% | "
+                 "prefix-cache hit rate %.1f%% | preemptions %d", (st.prompt_tokens - p0) / dt,
+                 (st.generation_tokens - g0) / dt, snap["running"], snap["waiting"], snap["swapped"],
+                 100 * snap["kv_cache_usage"], 100 * hit, st.num_preemptions)
+        self.last_counts = (st.prompt_tokens, st.generation_tokens, now)
+        self.last_log = now
+
+    def _shutdown(self) -> None:
+        log.info("scheduler stopping")
+        ids = list(self.sched.groups)
+        if ids:
+            self._route(self.sched.abort_requests(ids))
+        self.executor.shutdown()
+        self.front.close(0)
+        self.ctx.term()
+
+
+def run_scheduler(config: EngineConfig, frontend: str, workers: str, num_workers: int = 1) -> None:
+    die_with_parent()
+    SchedulerProcess(config, frontend, workers, num_workers).run()
