@@ -47,7 +47,8 @@ class RequestTracker:
                                                          stop=params.stop,
                                                          include_stop_str_in_output=params.include_stop_str_in_output))
                         for i in range(params.n)]
-        self.prompt_logprobs: list[Logprob | None] = []
+        # the worker reports nothing for a one-token prompt, whose only position has no logprob
+        self.prompt_logprobs: list[Logprob | None] = [None] if len(prompt_token_ids) == 1 else []
         self.num_cached_tokens = 0
         self.error: str | None = None
 
@@ -63,6 +64,8 @@ class RequestTracker:
         """Apply one engine output; None if that choice had already finished (e.g. on a stop string)."""
         c = self.choices[eo.index]
         if eo.prompt_logprobs:
+            if eo.prompt_logprobs[0] is None:   # a first chunk: the prompt was (re)computed from its start,
+                self.prompt_logprobs = []       # as after a preemption by recompute
             self.prompt_logprobs.extend(eo.prompt_logprobs)
         self.num_cached_tokens = max(self.num_cached_tokens, eo.num_cached_tokens)
         if eo.error:

@@ -76,6 +76,9 @@ class Scheduler:
             raise RequestRejected(f"request id {er.request_id!r} is already in use", 400)
         if n_prompt == 0:
             raise RequestRejected("the prompt is empty", 400, "prompt")
+        if sp.n > c.max_num_seqs:
+            raise RequestRejected(f"n ({sp.n}) exceeds max_num_seqs ({c.max_num_seqs}), the most sequences that "
+                                  f"can run at once", 400, "n")
         if n_prompt >= c.max_model_len:
             raise RequestRejected(f"the prompt has {n_prompt} tokens, but this model's maximum context length "
                                   f"(max_model_len) is {c.max_model_len}; at least one token must be left to generate",
@@ -110,10 +113,16 @@ class Scheduler:
             if group is None:
                 continue
             only = indexes[k] if indexes else -1
+            if only == 0 and group[0].pending_fork:
+                only = -1   # the unforked parent takes its unborn choices with it: report them too
             for i, seq in enumerate(group):
                 if only >= 0 and i != only:
                     continue
-                if seq is None:
+                if seq is None:   # unborn: a finished stand-in keeps the fork from creating it later
+                    group[i] = Request(req_id=f"{rid}#{i}", request_id=rid, index=i, prompt_token_ids=[],
+                                       sampling_params=group[0].sampling_params, max_tokens=0,
+                                       eos_token_ids=self.eos_token_ids, status=Status.FINISHED,
+                                       finish_reason="abort")
                     outs.append(EngineOutput(rid, i, [], finish_reason="abort"))
                 elif not seq.is_finished:
                     seq.finish_reason = "abort"
@@ -163,8 +172,11 @@ class Scheduler:
         return out
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        num_seqs = sum(self._num_seqs(r) for r in self.running)
+        while self.swapped and budget > 0:
             req = self.swapped[0]
+            if num_seqs + self._num_seqs(req) > self.config.max_num_seqs:
+                break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.can_swap_in(req, n):
                 break
@@ -174,13 +186,17 @@ class Scheduler:
             assert alloc is not None
             req.status = Status.RUNNING
             self.running.append(req)
+            num_seqs += self._num_seqs(req)
             self._emit(req, n, alloc, out)
             budget -= n
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        num_seqs = sum(self._num_seqs(r) for r in self.running)
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            if num_seqs + self._num_seqs(req) > self.config.max_num_seqs:
+                break
             hits = self.kv.get_computed_blocks(req)
             num_hit = len(hits) * self.config.block_size
             req.num_computed_tokens = num_hit
@@ -196,8 +212,13 @@ class Scheduler:
                 self.stats.prefix_cache_hits += num_hit
             req.status = Status.RUNNING
             self.running.append(req)
+            num_seqs += self._num_seqs(req)
             self._emit(req, n, alloc, out)
             budget -= n
+
+    def _num_seqs(self, req: Request) -> int:
+        """Running sequences req is or will become: an unforked parent brings its unborn siblings."""
+        return 1 + (sum(s is None for s in self.groups[req.request_id]) if req.pending_fork else 0)
 
     def _emit(self, req: Request, n: int, alloc: tuple[list[tuple[int, int]], int], out: SchedulerOutput) -> None:
         """Record that req runs n tokens this step, as a new request or as a delta for the worker."""
@@ -280,6 +301,8 @@ class Scheduler:
         group = self.groups[parent.request_id]
         sp = parent.sampling_params
         for i in range(1, len(group)):
+            if group[i] is not None:   # aborted before it was born
+                continue
             child = Request(req_id=f"{parent.request_id}#{i}", request_id=parent.request_id, index=i,
                             prompt_token_ids=parent.prompt_token_ids, sampling_params=sp,
                             max_tokens=parent.max_tokens, eos_token_ids=parent.eos_token_ids,

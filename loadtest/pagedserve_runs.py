@@ -1,0 +1,141 @@
+"""pagedserve rows: the offline engine stepped in-process, and the full server driven over HTTP.
+
+offline — every request is added to the engine at once and the engine is stepped by hand (rather than
+  through `LLM.generate`) so that each token's arrival can be stamped; every output still goes through a
+  RequestTracker (incremental detokenization), exactly the work `LLM.generate` does per token.
+http-cN — a fresh `pagedserve serve` per concurrency level (a warm prefix cache left over from the previous
+  level would hand the next one free prefills), driven by N closed-loop streaming clients.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from typing import Any
+
+from common.output_processor import RequestTracker
+from common.protocol import EngineRequest
+from common.sampling_params import SamplingParams
+from loadtest.http_client import run_closed_loop, stream_completion
+from loadtest.report import RequestTiming, SystemResult
+from loadtest.server import PagedServeServer
+from loadtest.workload import BenchRequest
+
+# The engine settings every pagedserve row uses (the issue's CPU configuration).
+ENGINE_KWARGS: dict[str, Any] = {"dtype": "float32", "kv_cache_memory": 2, "swap_space": 0}
+WARMUP = BenchRequest("warmup", list(range(100, 116)), 4)   # token ids absent from the workload's prompts
+
+
+def engine_kwargs(threads: int | None = None) -> dict[str, Any]:
+    kw = dict(ENGINE_KWARGS)
+    if threads:
+        kw["num_threads"] = threads
+    return kw
+
+
+def server_flags(threads: int | None = None) -> list[str]:
+    """ENGINE_KWARGS as `pagedserve serve` flags, so both rows run the same engine configuration."""
+    flags = []
+    for k, v in engine_kwargs(threads).items():
+        flags += ["--" + k.replace("_", "-"), str(v)]
+    return flags
+
+
+def make_llm(threads: int | None = None, model: str | None = None, **overrides: Any):
+    from pagedserve import LLM
+    return LLM(model, **{**engine_kwargs(threads), **overrides})
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def drive_engine(llm, reqs: list[BenchRequest], prefix: str) -> tuple[float, list[RequestTiming]]:
+    """Add all of `reqs` at once, step until every one is finished; return (wall s, timings)."""
+    engine = llm.engine
+    trackers: dict[str, tuple[BenchRequest, RequestTracker]] = {}
+    submitted: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
+    t0 = time.perf_counter()
+    for i, r in enumerate(reqs):
+        rid = f"{prefix}-{i}"
+        sp = greedy(r.max_tokens)
+        submitted[rid] = time.perf_counter()
+        engine.add_request(EngineRequest(rid, list(r.prompt_token_ids), sp))
+        trackers[rid] = (r, RequestTracker(rid, r.prompt_token_ids, sp, llm.tokenizer))
+        times[rid] = []
+    pending = set(trackers)
+    while pending:
+        outs = engine.step()
+        now = time.perf_counter()
+        for eo in outs:
+            tr = trackers[eo.request_id][1]
+            tr.process(eo)
+            times[eo.request_id].extend([now] * len(eo.new_token_ids))
+            if tr.finished:
+                pending.discard(eo.request_id)
+        if pending and not engine.has_unfinished():
+            raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
+    wall = time.perf_counter() - t0
+    timings = []
+    for rid, (r, tr) in trackers.items():
+        n = tr.num_generated_tokens
+        if n != r.max_tokens:
+            raise RuntimeError(f"request {r.id} produced {n} tokens, expected {r.max_tokens}")
+        timings.append(RequestTiming(r.id, submitted[rid], times[rid], n))
+    return wall, timings
+
+
+def run_offline(reqs: list[BenchRequest], threads: int | None = None, model: str | None = None) -> SystemResult:
+    res = SystemResult("offline", is_pagedserve=True,
+                       notes=["pagedserve engine in-process, all requests added at t=0, stepped by hand"])
+    llm = make_llm(threads, model)
+    try:
+        drive_engine(llm, [WARMUP], "warmup")
+        res.wall_s, res.timings = drive_engine(llm, reqs, "bench")
+        st = llm.stats
+        res.notes.append(f"preemptions {st.num_preemptions}, prefix-cache hits {st.prefix_cache_hits}/"
+                         f"{st.prefix_cache_queries} prompt tokens")
+    finally:
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+    return res
+
+
+def run_http(reqs: list[BenchRequest], concurrencies: list[int], threads: int | None = None,
+             model: str | None = None) -> list[SystemResult]:
+    """One row per concurrency level; a level whose server fails prints as n/a and the next one still runs."""
+    rows = []
+    for c in concurrencies:
+        name = f"http-c{c}"
+        try:
+            with PagedServeServer(server_flags(threads), model=model) as srv:
+                rows.append(asyncio.run(_http_row(name, srv.url, reqs, c)))
+        except Exception as e:   # noqa: BLE001 - a broken server must not take the other rows down
+            rows.append(SystemResult.failed(name, _short(e), is_pagedserve=True))
+    return rows
+
+
+async def _http_row(name: str, url: str, reqs: list[BenchRequest], concurrency: int) -> SystemResult:
+    import aiohttp
+    async with aiohttp.ClientSession() as s:
+        await stream_completion(s, url, WARMUP)
+    load = await run_closed_loop(url, reqs, concurrency)
+    res = SystemResult(name, wall_s=load.wall_s, timings=[r.timing for r in load.results], is_pagedserve=True)
+    res.notes.append(f"pagedserve serve, {concurrency} closed-loop streaming clients, /v1/completions")
+    problems = [f"{r.timing.request_id}: {p}" for r in load.results for p in r.problems]
+    if problems:
+        res.error = f"{len(problems)} stream check failures, first: {problems[0]}"
+        return res
+    chunks = sum(r.chunks for r in load.results)
+    tokens = sum(r.timing.output_tokens for r in load.results)
+    stamped = sum(len(r.timing.token_times) for r in load.results)
+    if stamped != tokens:
+        res.notes.append(f"{stamped} token chunks for {tokens} tokens ({chunks} SSE events): ITL is per chunk")
+    return res
+
+
+def _short(e: BaseException, n: int = 300) -> str:
+    s = f"{type(e).__name__}: {e}"
+    return s if len(s) <= n else s[:n] + "..."

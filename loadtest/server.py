@@ -1,0 +1,103 @@
+"""Start and stop a `pagedserve serve` process for the benchmark, the router microbenchmark and locust checks.
+
+The server runs as a child in its own process group (it starts a scheduler, worker and router of its own),
+so a server that does not shut down on SIGTERM can be killed as a whole group and never outlives the run.
+Its log goes to a file whose tail is shown when start-up fails, since the benchmark otherwise keeps going.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from loadtest.workload import REPO_ROOT
+
+
+class ServerFailed(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PagedServeServer:
+    """`with PagedServeServer(flags) as srv: srv.url ...` — started, ready, and always stopped."""
+
+    def __init__(self, engine_flags: list[str] | None = None, model: str | None = None,
+                 startup_timeout: float = 600.0, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "pagedserve.cli", "serve", *([model] if model else []),
+                    "--host", "127.0.0.1", "--port", str(self.port), "--shutdown-timeout", "5",
+                    "--log-level", "WARNING", *(engine_flags or [])]
+        self.startup_timeout = startup_timeout
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.log_path = Path(tempfile.mkstemp(prefix="pagedserve-bench-", suffix=".log")[1])
+
+    def __enter__(self) -> "PagedServeServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(self.cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                         env=self.env, start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerFailed(f"server exited with code {self.proc.returncode}: {self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.5)
+        raise ServerFailed(f"server not ready after {self.startup_timeout:.0f}s: {self.log_tail()}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM (the server drains and stops its children), then SIGKILL the whole group."""
+        p = self.proc
+        if p is None:
+            return
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:   # whatever is left of the group (the serve process's children), by its id
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if p.poll() is None:
+            p.wait(5)
+        self.proc = None
+
+    def log_tail(self, n: int = 1200) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return " ".join(text[-n:].split())

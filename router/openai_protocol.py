@@ -1,0 +1,374 @@
+"""OpenAI request bodies -> (prompt token ids, SamplingParams, response options), validated at the edge.
+
+Everything a client can get wrong is caught here and raised as an APIError carrying the HTTP status and
+the OpenAI error fields, so the server never answers bad input with a 500 and the engine never sees a
+request it would have to reject for a reason the router could have known.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from common.sampling_params import MAX_TOP_LOGPROBS, ParamError, SamplingParams
+
+# A completions call may carry a batch of prompts; each becomes an engine request of its own.
+MAX_PROMPTS = 256
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+
+
+class APIError(Exception):
+    """An error answered to the client as `{"error": {message, type, param, code}}` with `status`."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or default_error_type(status)
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def default_error_type(status: int) -> str:
+    if status == 429:
+        return "rate_limit_error"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What validation needs to know about the served model."""
+    name: str
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass
+class PromptInput:
+    token_ids: list[int]
+    text: str | None        # the prompt as the client wrote it (or the rendered chat prompt); None for ids
+
+
+@dataclass
+class ParsedRequest:
+    chat: bool
+    prompts: list[PromptInput]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    # completions: `logprobs` (top count); chat: `top_logprobs` when `logprobs` is true; None: no logprobs
+    logprobs: int | None = None
+    user: str | None = None
+
+
+# ---- JSON body -------------------------------------------------------------------------------------
+def decode_json_body(raw: bytes, content_type: str) -> dict[str, Any]:
+    """The body as a JSON object. orjson first; the stdlib only to tell huge integers from bad JSON."""
+    if content_type != "application/json":
+        raise bad(f"Content-Type must be application/json, got {content_type or 'none'!r}")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        try:   # orjson turns integers beyond 64 bits into floats but rejects nothing else json accepts...
+            body = json.loads(raw, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as e:   # ...except NaN/Infinity, which we reject too
+            raise bad(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+# ---- typed field access ----------------------------------------------------------------------------
+# JSON null means "not given", as OpenAI's SDKs send it for unset fields.
+def _int(body: dict, name: str) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():     # 16.0, or an integer too large for orjson
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(f"'{name}' must be an integer, got {v!r}", name)
+    return v
+
+
+def _float(body: dict, name: str) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad(f"'{name}' must be a number, got {v!r}", name)
+    return float(v)
+
+
+def _bool(body: dict, name: str) -> bool | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise bad(f"'{name}' must be a boolean, got {v!r}", name)
+    return v
+
+
+def _str(body: dict, name: str) -> str | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, str):
+        raise bad(f"'{name}' must be a string, got {type(v).__name__}", name)
+    return v
+
+
+def _or(v: Any, default: Any) -> Any:
+    return default if v is None else v
+
+
+# ---- shared checks ---------------------------------------------------------------------------------
+def check_model(body: dict, model: ModelInfo) -> None:
+    name = _str(body, "model")
+    if name is not None and name != model.name:
+        raise APIError(404, f"The model `{name}` does not exist. This server serves `{model.name}`.",
+                       param="model", code="model_not_found")
+
+
+def _token_ids(v: Any, model: ModelInfo, param: str) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise bad(f"'{param}' must be a list of integer token ids", param)
+    bad_ids = [t for t in v if not 0 <= t < model.vocab_size]
+    if bad_ids:
+        raise bad(f"token id {bad_ids[0]} in '{param}' is outside the vocabulary [0, {model.vocab_size})", param)
+    return v
+
+
+def _stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return v
+    raise bad("'stop' must be a string or a list of strings", "stop")
+
+
+def _logit_bias(body: dict, model: ModelInfo) -> dict[int, float] | None:
+    v = body.get("logit_bias")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    out = {}
+    for k, b in v.items():
+        try:
+            tid = int(k)
+        except ValueError:
+            raise bad(f"logit_bias key {k!r} is not a token id", "logit_bias") from None
+        if not 0 <= tid < model.vocab_size:
+            raise bad(f"logit_bias token id {tid} is outside the vocabulary [0, {model.vocab_size})", "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise bad(f"logit_bias value for {k!r} must be a number", "logit_bias")
+        out[tid] = float(b)
+    return out
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    """Whether a final usage chunk was asked for."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not stream:
+        raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    if not isinstance(opts, dict):
+        raise bad("'stream_options' must be an object", "stream_options")
+    return bool(_bool(opts, "include_usage"))
+
+
+def _max_tokens(body: dict, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        v = _int(body, name)
+        if v is not None:
+            if v < 1:
+                raise bad(f"'{name}' must be at least 1, got {v}", name)
+            return v
+    return None
+
+
+def check_length(prompt_len: int, max_tokens: int | None, model: ModelInfo, prompt_param: str) -> int:
+    """Reject prompts that cannot fit; return the effective max_tokens (the rest of the context if None)."""
+    limit = model.max_model_len
+    what = "messages" if prompt_param == "messages" else "prompt"
+    if prompt_len >= limit:
+        raise bad(f"This model's maximum context length is {limit} tokens, but the {what} has {prompt_len} tokens "
+                  f"and at least one token must be left for the completion. Please shorten the {what}.", prompt_param)
+    if max_tokens is None:
+        return limit - prompt_len
+    if prompt_len + max_tokens > limit:
+        raise bad(f"This model's maximum context length is {limit} tokens. However, you requested "
+                  f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in the completion). "
+                  f"Please reduce the length of the {what} or completion.", "max_tokens")
+    return max_tokens
+
+
+def _sampling_params(body: dict, model: ModelInfo, max_tokens: int | None, logprobs: int | None,
+                     prompt_logprobs: int | None) -> SamplingParams:
+    """Everything both APIs share; range checks are SamplingParams' own, reported with their param."""
+    top_k = _int(body, "top_k")
+    kwargs = dict(
+        n=_int(body, "n"), temperature=_float(body, "temperature"), top_p=_float(body, "top_p"),
+        # 0 also means "off" in vLLM's and HF's APIs; beyond the vocabulary it is off too (and stays msgpack-able)
+        top_k=-1 if top_k == 0 or (top_k is not None and top_k >= model.vocab_size) else top_k,
+        min_p=_float(body, "min_p"), seed=_int(body, "seed"),
+        presence_penalty=_float(body, "presence_penalty"), frequency_penalty=_float(body, "frequency_penalty"),
+        repetition_penalty=_float(body, "repetition_penalty"),
+        stop_token_ids=_token_ids(body["stop_token_ids"], model, "stop_token_ids")
+        if body.get("stop_token_ids") is not None else None,
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
+        skip_special_tokens=_bool(body, "skip_special_tokens"), ignore_eos=_bool(body, "ignore_eos"),
+        min_tokens=_int(body, "min_tokens"),
+    )
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    try:
+        return SamplingParams(max_tokens=max_tokens, stop=_stop(body), logit_bias=_logit_bias(body, model),
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, **kwargs)
+    except ParamError as e:
+        raise bad(str(e), e.param) from None
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = bool(_bool(body, "stream"))
+    return stream, _stream_options(body, stream)
+
+
+# ---- /v1/completions -------------------------------------------------------------------------------
+def parse_completion_request(body: dict, tokenizer: Any, model: ModelInfo) -> ParsedRequest:
+    check_model(body, model)
+    if body.get("suffix") is not None:
+        raise bad("'suffix' is not supported", "suffix")
+    stream, include_usage = _stream_flags(body)
+    echo = bool(_bool(body, "echo"))
+    logprobs = _int(body, "logprobs")
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise bad(f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
+    max_tokens = _or(_max_tokens(body, ("max_tokens",)), COMPLETIONS_DEFAULT_MAX_TOKENS)
+    prompts = [_tokenize_prompt(p, tokenizer, model) for p in _split_prompts(body.get("prompt"))]
+    for p in prompts:
+        check_length(len(p.token_ids), max_tokens, model, "prompt")
+    # echo with logprobs reports the prompt's logprobs too, as OpenAI does
+    params = _sampling_params(body, model, max_tokens, logprobs, logprobs if echo and logprobs is not None else None)
+    return ParsedRequest(False, prompts, params, stream, include_usage, echo, logprobs, _str(body, "user"))
+
+
+def _split_prompts(v: Any) -> list[str | list[int]]:
+    """The four prompt forms: a string, strings, token ids, lists of token ids."""
+    if isinstance(v, str):
+        prompts: list = [v]
+    elif isinstance(v, list) and v and all(isinstance(p, int) and not isinstance(p, bool) for p in v):
+        prompts = [v]
+    elif isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+        prompts = v
+    elif v is None:
+        raise bad("'prompt' is required", "prompt")
+    elif isinstance(v, list) and not v:
+        raise bad("'prompt' must not be empty", "prompt")
+    else:
+        raise bad("'prompt' must be a string, a list of strings, a list of token ids or a list of lists of "
+                  "token ids", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad(f"at most {MAX_PROMPTS} prompts are allowed per request, got {len(prompts)}", "prompt")
+    return prompts
+
+
+def encode(tokenizer: Any, text: str, param: str, **kwargs: Any) -> list[int]:
+    """Tokenize client text; what the tokenizer cannot take (e.g. lone UTF-16 surrogates) is a 400."""
+    try:
+        return tokenizer.encode(text, **kwargs)
+    except Exception as e:
+        raise bad(f"the {param} could not be tokenized: {e}", param) from None
+
+
+def _tokenize_prompt(p: str | list[int], tokenizer: Any, model: ModelInfo) -> PromptInput:
+    if isinstance(p, str):
+        ids = encode(tokenizer, p, "prompt") if p else []
+        text = p
+    else:
+        ids, text = _token_ids(p, model, "prompt"), None
+    if not ids:
+        raise bad("the prompt must not be empty", "prompt")
+    return PromptInput(list(ids), text)
+
+
+# ---- /v1/chat/completions --------------------------------------------------------------------------
+def parse_chat_request(body: dict, tokenizer: Any, model: ModelInfo) -> ParsedRequest:
+    check_model(body, model)
+    stream, include_usage = _stream_flags(body)
+    want_logprobs = bool(_bool(body, "logprobs"))
+    top = _int(body, "top_logprobs")
+    if top is not None:
+        if not want_logprobs:
+            raise bad("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise bad(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+    logprobs = _or(top, 0) if want_logprobs else None
+    requested = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
+    text = render_chat(parse_messages(body.get("messages")), tokenizer)
+    ids = encode(tokenizer, text, "messages", add_special_tokens=False)
+    if not ids:
+        raise bad("the rendered chat prompt is empty", "messages")
+    max_tokens = check_length(len(ids), requested, model, "messages")
+    params = _sampling_params(body, model, max_tokens, logprobs, None)
+    return ParsedRequest(True, [PromptInput(ids, text)], params, stream, include_usage, False, logprobs,
+                         _str(body, "user"))
+
+
+def parse_messages(v: Any) -> list[dict[str, Any]]:
+    """Messages reduced to what chat templates expect: string content, known roles, tool fields kept."""
+    if not isinstance(v, list) or not v:
+        raise bad("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(v):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object", "messages")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad(f"messages[{i}].role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}", "messages")
+        msg = {"role": "system" if role == "developer" else role, "content": _content(m.get("content"), role, i)}
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if m.get(key) is not None:
+                msg[key] = m[key]
+        out.append(msg)
+    return out
+
+
+def _content(c: Any, role: str, i: int) -> str:
+    if isinstance(c, str):
+        return c
+    if c is None and role == "assistant":      # an assistant turn that only called tools
+        return ""
+    if isinstance(c, list):
+        texts = []
+        for part in c:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"messages[{i}].content: only parts of the form {{\"type\": \"text\", \"text\": ...}} "
+                          f"are supported", "messages")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def render_chat(messages: list[dict[str, Any]], tokenizer: Any) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad("this model has no chat template; use /v1/completions", "messages")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:   # template errors (e.g. "roles must alternate") are the client's input
+        raise bad(f"the messages could not be rendered with the model's chat template: {e}", "messages") from None
