@@ -44,8 +44,8 @@ def load_hf_model(device: str = "cpu"):
     return model
 
 
-def free_model(model) -> None:
-    del model
+def release_memory() -> None:
+    """After the caller dropped its model reference: collect it now, before the next system loads."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -43,6 +43,7 @@ class PagedServeServer:
         self.startup_timeout = startup_timeout
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
+        self.ready = False
         self.log_path = Path(tempfile.mkstemp(prefix="pagedserve-bench-", suffix=".log")[1])
 
     def __enter__(self) -> "PagedServeServer":
@@ -70,6 +71,7 @@ class PagedServeServer:
             try:
                 with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
                     if r.status == 200:
+                        self.ready = True
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
@@ -94,10 +96,13 @@ class PagedServeServer:
         if p.poll() is None:
             p.wait(5)
         self.proc = None
+        if self.ready:
+            self.log_path.unlink(missing_ok=True)   # keep the log only when start-up failed
 
-    def log_tail(self, n: int = 1200) -> str:
+    def log_tail(self) -> str:
+        """The log's last line (a traceback's exception line), and where the whole log is."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            lines = [ln.strip() for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
         except OSError:
-            return ""
-        return " ".join(text[-n:].split())
+            lines = []
+        return f"{lines[-1][:300] if lines else 'no output'} (log: {self.log_path})"

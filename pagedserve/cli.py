@@ -93,7 +93,10 @@ def main(argv: list[str] | None = None) -> None:
         from gpu_worker.worker import run_worker
         run_worker(engine_config(args), args.connect, args.rank)
     elif args.command == "router":
+        from common.process import die_with_parent
         from router.api_server import run_router
+        die_with_parent()
+        args.engine_address = args.connect
         run_router(args)
     else:
         sys.exit(serve(args))

@@ -1,7 +1,7 @@
 """Pure-torch paged attention: the CPU backend and the reference the Triton kernels are tested against.
 
-Decodes (one query token) of the whole batch run as one padded SDPA call over K/V gathered through the
-block tables; prefill chunks run one SDPA call each (there are few per step). A fresh prefill with no
+Decodes (one query token) of the whole batch run as one padded SDPA call over K/V gathered block by
+block through the block tables; prefill chunks run one SDPA call each (there are few per step). A fresh prefill with no
 cached context attends to its own K/V directly, with no gather.
 """
 from __future__ import annotations
@@ -27,14 +27,11 @@ class TorchAttentionBackend:
         if decodes:
             idx = torch.tensor(decodes, device=dev)
             max_len = max(sl[i] for i in decodes)
-            pos = torch.arange(max_len, device=dev)
-            bt = meta.block_tables[idx]                                       # [Bd, max_blocks]
-            slots = bt.gather(1, (pos // meta.block_size).expand(len(decodes), -1)).long() * meta.block_size \
-                + pos % meta.block_size                                       # [Bd, L]
-            mask = pos[None, :] < meta.seq_lens[idx][:, None].to(pos.dtype)
+            num_blocks = -(-max_len // meta.block_size)
+            pos = torch.arange(num_blocks * meta.block_size, device=dev)
             extra["decode_rows"] = meta.query_start_loc[idx].long()
-            extra["decode_slots"] = slots
-            extra["decode_mask"] = mask[:, None, None, :]
+            extra["decode_blocks"] = meta.block_tables[idx, :num_blocks].long()          # [Bd, nb]
+            extra["decode_mask"] = (pos[None, :] < meta.seq_lens[idx][:, None].to(pos.dtype))[:, None, None, :]
         extra["prefills"] = []
         for i, q in enumerate(ql):
             if q == 1:
@@ -64,10 +61,12 @@ class TorchAttentionBackend:
         out = torch.empty_like(query)
         ex = meta.extra
         if "decode_rows" in ex:
-            rows = ex["decode_rows"]
+            rows, blocks = ex["decode_rows"], ex["decode_blocks"]
+            bd, length = blocks.shape[0], blocks.shape[1] * k_cache.shape[1]
             q = query[rows].unsqueeze(2)                                      # [Bd, Hq, 1, D]
-            k = kf[ex["decode_slots"]].transpose(1, 2)                        # [Bd, Hkv, L, D]
-            v = vf[ex["decode_slots"]].transpose(1, 2)
+            # gathering whole blocks copies contiguous chunks: much cheaper than a gather per slot
+            k = k_cache[blocks].view(bd, length, nh, hd).transpose(1, 2)     # [Bd, Hkv, L, D]
+            v = v_cache[blocks].view(bd, length, nh, hd).transpose(1, 2)
             o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=ex["decode_mask"],
                                                scale=scale, enable_gqa=True)
             out[rows] = o.squeeze(2)
