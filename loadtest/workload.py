@@ -24,6 +24,7 @@ class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     prompt: str = ""
+    messages: list[dict] | None = None   # the same text as one chat user message (the locust chat task)
 
     @property
     def prompt_tokens(self) -> int:
@@ -50,7 +51,8 @@ def load_workload(path: Path | str | None = None, limit: int | None = None,
             m = int(d["max_tokens"])
             if max_tokens_cap is not None:
                 m = min(m, max_tokens_cap)
-            out.append(BenchRequest(str(d["id"]), [int(t) for t in d["prompt_token_ids"]], m, d.get("prompt", "")))
+            out.append(BenchRequest(str(d["id"]), [int(t) for t in d["prompt_token_ids"]], m, d.get("prompt", ""),
+                                    d.get("messages") or [{"role": "user", "content": d.get("prompt", "")}]))
             if limit is not None and len(out) >= limit:
                 break
     if not out:

@@ -68,13 +68,17 @@ class LLM:
             raise ValueError("give one SamplingParams, or one per prompt")
         trackers: dict[str, tuple[RequestTracker, str | None]] = {}
         order = []
-        for prompt, sp in zip(prompts, params):
-            text = prompt if isinstance(prompt, str) else None
-            ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
-            rid = str(next(self._ids))
-            self.engine.add_request(EngineRequest(rid, ids, sp))
-            trackers[rid] = (RequestTracker(rid, ids, sp, self.tokenizer), text)
-            order.append(rid)
+        try:
+            for prompt, sp in zip(prompts, params):
+                text = prompt if isinstance(prompt, str) else None
+                ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+                rid = str(next(self._ids))
+                self.engine.add_request(EngineRequest(rid, ids, sp))
+                trackers[rid] = (RequestTracker(rid, ids, sp, self.tokenizer), text)
+                order.append(rid)
+        except Exception:   # one bad prompt refuses the call; nothing of it stays in the engine
+            self.engine.abort(order)
+            raise
         self._run(trackers, use_tqdm)
         return [self._output(*trackers[rid]) for rid in order]
 

@@ -21,7 +21,7 @@ class EngineCore:
         self.num_blocks = info["num_blocks"]
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len, block_size=config.block_size, num_blocks=info["num_blocks"],
+            max_model_len=self.max_model_len, vocab_size=info["vocab_size"], block_size=config.block_size, num_blocks=info["num_blocks"],
             num_host_blocks=info["num_host_blocks"], enable_prefix_caching=config.enable_prefix_caching,
             max_waiting_requests=config.max_waiting_requests, max_waiting_tokens=config.max_waiting_tokens),
             eos_token_ids)

@@ -41,6 +41,7 @@ def initialize_runner(runner, eos_token_ids: list[int]) -> dict[str, Any]:
     num_blocks, num_host = runner.profile_num_blocks()
     runner.init_kv_cache(num_blocks, num_host)
     return {"num_blocks": num_blocks, "num_host_blocks": num_host, "max_model_len": runner.max_model_len,
+            "vocab_size": runner.model_config.vocab_size,
             "block_bytes": runner.block_bytes()}
 
 

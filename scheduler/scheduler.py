@@ -31,6 +31,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 256
     max_model_len: int = 2048
+    vocab_size: int | None = None
     block_size: int = 16
     num_blocks: int = 1024
     num_host_blocks: int = 0
@@ -76,6 +77,7 @@ class Scheduler:
             raise RequestRejected(f"request id {er.request_id!r} is already in use", 400)
         if n_prompt == 0:
             raise RequestRejected("the prompt is empty", 400, "prompt")
+        self._check_token_ids(er)
         if sp.n > c.max_num_seqs:
             raise RequestRejected(f"n ({sp.n}) exceeds max_num_seqs ({c.max_num_seqs}), the most sequences that "
                                   f"can run at once", 400, "n")
@@ -103,6 +105,18 @@ class Scheduler:
         self.requests[req.req_id] = req
         self.groups[er.request_id] = [req] + [None] * (sp.n - 1)
         self.waiting.append(req)
+
+    def _check_token_ids(self, er: EngineRequest) -> None:
+        """Out-of-vocabulary ids would fail the whole batch's step on the worker: refuse them here."""
+        v = self.config.vocab_size
+        if v is None:
+            return
+        sp = er.sampling_params
+        for param, ids in (("prompt", er.prompt_token_ids), ("stop_token_ids", sp.stop_token_ids),
+                           ("logit_bias", list(sp.logit_bias or ()))):
+            bad = next((t for t in ids if not 0 <= t < v), None)
+            if bad is not None:
+                raise RequestRejected(f"token id {bad} in {param} is outside the vocabulary [0, {v})", 400, param)
 
     def abort_requests(self, request_ids: list[str], indexes: list[int] | None = None) -> list[EngineOutput]:
         """Finish every sequence of these requests (or only choice indexes[k] of request k, where that is not
