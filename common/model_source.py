@@ -40,7 +40,7 @@ class ModelSource:
     name: str
 
     @classmethod
-    def resolve(cls, model: str | None) -> "ModelSource":
+    def resolve(cls, model: str | None, require_weights: bool = True) -> "ModelSource":
         if model in (None, "", DEFAULT_MODEL, "default"):
             p = default_gguf_path()
             if not p.is_file():
@@ -52,7 +52,7 @@ class ModelSource:
         if p.is_dir():
             if not (p / "config.json").is_file():
                 raise ModelNotFound(f"model folder {p} has no config.json; {EXPECTED}")
-            if not any(p.glob("*.safetensors")):
+            if require_weights and not any(p.glob("*.safetensors")):
                 raise ModelNotFound(f"model folder {p} has no *.safetensors files; {EXPECTED}")
             return cls(p.resolve(), "hf", str(model))
         raise ModelNotFound(f"model {model!r} not found or not supported; {EXPECTED}")

@@ -55,7 +55,7 @@ class RequestState:
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None):
         self.config = config
-        self.source = source or ModelSource.resolve(config.model)
+        self.source = source or ModelSource.resolve(config.model, config.load_format != "dummy")
         self.model_config: ModelConfig = self.source.model_config()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -67,8 +67,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.device(self.device):
             self.model = build_model(self.model_config, self.dtype, self.max_model_len)
-        load_weights(self.model, self.source)
-        self.model.to(self.device).eval()
+            load_weights(self.model, self.source, config.load_format)
+        self.model.eval()
         log.info("loaded %s (%s, %s) in %.1fs", self.source.name, self.model_config.arch, self.dtype,
                  time.perf_counter() - t0)
         self.backend = get_backend(config.attention_backend, self.device)

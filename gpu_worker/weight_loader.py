@@ -84,7 +84,23 @@ def iter_gguf(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: F32 tensors are read-only memmaps
 
 
-def load_weights(model: torch.nn.Module, source: ModelSource) -> None:
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights of the right shapes (norms at 1): measures a model shape without its checkpoint."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)
+    model.tie_weights()
+
+
+def load_weights(model: torch.nn.Module, source: ModelSource, load_format: str = "auto") -> None:
+    if load_format == "dummy":
+        init_dummy_weights(model)
+        return
+    if load_format != "auto":
+        raise ValueError(f"unknown load_format {load_format!r}; expected auto or dummy")
     tensors = iter_gguf(source) if source.kind == "gguf" else iter_safetensors(source.path)
     modules = dict(model.named_modules())
     loaded = set()

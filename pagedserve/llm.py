@@ -48,7 +48,7 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown LLM options: {', '.join(sorted(unknown))}")
         self.config = EngineConfig(model=model, **kwargs)
-        self.source = ModelSource.resolve(model)
+        self.source = ModelSource.resolve(model, self.config.load_format != "dummy")
         self.tokenizer = self.source.load_tokenizer()
         self.eos_token_ids = eos_token_ids(self.source.model_config(), self.tokenizer)
         self.engine = EngineCore(self.config, InprocExecutor(self.config, self.source), self.eos_token_ids)
