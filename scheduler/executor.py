@@ -64,7 +64,7 @@ class ZmqExecutor:
         self.step_timeout = step_timeout
         self.startup_timeout = startup_timeout
         self.identities: list[bytes] = []
-        self.pending_since: float | None = None
+        self.submitted: list[float] = []   # submit times of the steps in flight, oldest first
 
     def initialize(self, eos_token_ids: list[int]) -> dict[str, Any]:
         deadline = time.monotonic() + self.startup_timeout
@@ -103,18 +103,18 @@ class ZmqExecutor:
                 self.sock.send_multipart([ident, data])
         except zmq.ZMQError as e:
             raise WorkerDied(f"cannot reach a worker: {e}") from e
-        self.pending_since = time.monotonic()
+        self.submitted.append(time.monotonic())
 
     def poll_result(self, timeout_ms: int) -> ModelRunnerOutput | None:
         """The pending step's result, or None if it is not there within timeout_ms."""
         self._check_disconnect()
         if not self.sock.poll(timeout_ms):
-            if self.pending_since is not None and time.monotonic() - self.pending_since > self.step_timeout:
+            if self.submitted and time.monotonic() - self.submitted[0] > self.step_timeout:
                 raise WorkerDied(f"a step took longer than {self.step_timeout:.0f}s")
             return None
         _, msg = self.sock.recv_multipart()
         out = decode(msg)
-        self.pending_since = None
+        self.submitted.pop(0)
         if out.error:
             raise WorkerDied(f"the worker failed a step: {out.error.strip().splitlines()[-1]}")
         return out

@@ -86,7 +86,8 @@ class KVCacheManager:
         if not self.enable_caching or req.req_id not in self.tables:
             return
         table = self.tables[req.req_id]
-        hashes = req.full_block_hashes(self.block_size, req.num_computed_tokens)
+        # an in-flight sample's id is not known yet: only blocks of known tokens can be hashed
+        hashes = req.full_block_hashes(self.block_size, min(req.num_computed_tokens, req.num_tokens))
         done = self.num_hashed.get(req.req_id, 0)
         for i in range(done, min(len(hashes), len(table))):
             self.pool.cache_block(table[i], hashes[i])

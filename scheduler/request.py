@@ -35,6 +35,7 @@ class Request:
     seed: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending: int = 0                 # tokens sampled by a step still in flight (async scheduling)
     num_cached_tokens: int = -1          # prefix-cache hit at first admission (-1: not admitted yet)
     status: Status = Status.WAITING
     on_worker: bool = False              # the worker holds this sequence's state
@@ -57,6 +58,14 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Known tokens plus in-flight samples, minus what the cache holds: the worker knows the in-flight
+        samples already, so a decode can be scheduled before its previous token is back here."""
+        if len(self.output_token_ids) + self.num_pending >= self.max_tokens:
+            return 0    # the in-flight sample is its last one
+        return self.num_tokens + self.num_pending - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

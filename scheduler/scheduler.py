@@ -161,8 +161,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0:   # its last step's token is not back yet
+            n = min(req.num_tokens_to_compute, budget)
+            if n <= 0:   # its last token is still in flight
                 i += 1
                 continue
             alloc = self.kv.allocate_slots(req, n)
@@ -189,9 +189,9 @@ class Scheduler:
         num_seqs = sum(self._num_seqs(r) for r in self.running)
         while self.swapped and budget > 0:
             req = self.swapped[0]
-            if num_seqs + self._num_seqs(req) > self.config.max_num_seqs:
+            if req.num_pending or num_seqs + self._num_seqs(req) > self.config.max_num_seqs:
                 break
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens_to_compute, budget)
             if not self.kv.can_swap_in(req, n):
                 break
             self.swapped.popleft()
@@ -209,7 +209,7 @@ class Scheduler:
         num_seqs = sum(self._num_seqs(r) for r in self.running)
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            if num_seqs + self._num_seqs(req) > self.config.max_num_seqs:
+            if req.num_pending or num_seqs + self._num_seqs(req) > self.config.max_num_seqs:
                 break
             hits = self.kv.get_computed_blocks(req)
             num_hit = len(hits) * self.config.block_size
@@ -253,6 +253,8 @@ class Scheduler:
         if req.num_computed_tokens < req.num_prompt_tokens:
             self.stats.prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
         req.num_computed_tokens += n
+        if req.num_computed_tokens >= req.num_tokens + req.num_pending:
+            req.num_pending += 1        # this step samples its next token
         # Blocks this step fills are findable at once: a later request in this same step may hit them,
         # which is safe because every layer writes the step's K/V before any of its attention reads.
         self.kv.cache_full_blocks(req)
@@ -283,8 +285,9 @@ class Scheduler:
         max_len = self.config.max_model_len
         for k, req_id in enumerate(result.req_ids):
             req = self.requests.get(req_id)
-            if req is None or req.is_finished or req.status is not Status.RUNNING:
-                continue  # aborted or preempted while the step ran
+            if req is None or req.is_finished or req.num_pending == 0:
+                continue  # finished or aborted while the step ran
+            req.num_pending -= 1    # a sequence preempted meanwhile keeps its token: it was computed correctly
             new = result.sampled_token_ids[k]
             req.output_token_ids.extend(new)
             self.stats.generation_tokens += len(new)
@@ -311,9 +314,12 @@ class Scheduler:
         return outs
 
     def _fork(self, parent: Request) -> None:
+        """Create the siblings of an n > 1 request once its prompt is computed. They share the parent's
+        blocks; a parent preempted meanwhile holds none, so its siblings recompute the prompt instead."""
         parent.pending_fork = False
         group = self.groups[parent.request_id]
         sp = parent.sampling_params
+        shared = parent.status is Status.RUNNING
         for i in range(1, len(group)):
             if group[i] is not None:   # aborted before it was born
                 continue
@@ -322,12 +328,16 @@ class Scheduler:
                             max_tokens=parent.max_tokens, eos_token_ids=parent.eos_token_ids,
                             client_id=parent.client_id, arrival_time=parent.arrival_time,
                             seed=None if sp.seed is None else sp.seed + i,
-                            num_computed_tokens=parent.num_prompt_tokens - 1,
-                            num_cached_tokens=parent.num_cached_tokens, status=Status.RUNNING)
-            self.kv.fork(parent, child)
+                            num_computed_tokens=parent.num_prompt_tokens - 1 if shared else 0,
+                            num_cached_tokens=parent.num_cached_tokens,
+                            status=Status.RUNNING if shared else Status.WAITING)
             self.requests[child.req_id] = child
             group[i] = child
-            self.running.append(child)
+            if shared:
+                self.kv.fork(parent, child)
+                self.running.append(child)
+            else:
+                self.waiting.appendleft(child)
 
     def _finish(self, req: Request) -> None:
         if req.status is Status.RUNNING:

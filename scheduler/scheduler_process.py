@@ -16,7 +16,7 @@ import zmq
 from common.config import EngineConfig
 from common.model_source import ModelSource, eos_token_ids
 from common.process import die_with_parent
-from common.protocol import (AbortRequests, Ack, EngineOutput, EngineOutputs, EngineRequest, Hello, ModelRunnerOutput,
+from common.protocol import (AbortRequests, Ack, EngineOutput, EngineOutputs, EngineRequest, Hello,
                              SchedulerOutput, Stats, decode, encode)
 from common.sampling_params import SamplingParams
 from scheduler.engine_core import EngineCore
@@ -28,6 +28,7 @@ log = logging.getLogger("pagedserve.scheduler")
 HEARTBEAT_S = 0.5
 STATS_LOG_S = 10.0
 CLIENT_TTL_S = 10.0
+PIPELINE_DEPTH = 2
 
 
 class SchedulerProcess:
@@ -41,7 +42,7 @@ class SchedulerProcess:
         self.dead: str | None = None
         self.ready = False
         self.stopping = False
-        self.inflight: SchedulerOutput | None = None
+        self.inflight: list[SchedulerOutput] = []
         self.last_heartbeat = self.last_log = 0.0
         self.last_counts = (0, 0, time.monotonic())
         source = ModelSource.resolve(config.model, config.load_format != "dummy")
@@ -65,28 +66,28 @@ class SchedulerProcess:
         self._shutdown()
 
     def _busy(self) -> bool:
-        return self.inflight is not None or (not self.dead and self.sched.has_unfinished())
+        return bool(self.inflight) or (not self.dead and self.sched.has_unfinished())
 
     def _advance(self) -> None:
-        """Submit the next step if none is running; collect a finished one, serving routers meanwhile."""
-        if self.inflight is None and self.sched.has_unfinished():
+        """Keep two steps in flight: step N+1 is scheduled and queued on the workers while step N computes
+        (the worker already holds N's samples), then N's result is collected, serving routers meanwhile."""
+        while len(self.inflight) < PIPELINE_DEPTH and self.sched.has_unfinished():
             sched = self.sched.schedule()
             if sched.is_empty:
-                return
+                break
             self.executor.submit(sched)
-            self.inflight = sched
-        if self.inflight is not None:
-            result = self.executor.poll_result(timeout_ms=1)
-            while result is None:
-                self._drain_frontend(timeout_ms=0)
-                self._heartbeat()
-                if self.stopping:
-                    return
-                result = self.executor.poll_result(timeout_ms=5)
-            self._finish_step(self.inflight, result)
-
-    def _finish_step(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        self.inflight = None
+            self.inflight.append(sched)
+        if not self.inflight:
+            return
+        result = self.executor.poll_result(timeout_ms=1)
+        while result is None:
+            self._drain_frontend(timeout_ms=0)
+            self._heartbeat()
+            if self.stopping or self.dead:
+                return
+            result = self.executor.poll_result(timeout_ms=5)
+        sched = self.inflight.pop(0)
+        assert result.step_id == sched.step_id, "workers answer steps in order"
         self._route(self.sched.update_from_output(sched, result))
 
     def _warm_up(self) -> None:
@@ -153,7 +154,7 @@ class SchedulerProcess:
         """A worker is gone: fail every request at once and report dead until stopped."""
         log.error("engine dead: %s", reason)
         self.dead = reason
-        self.inflight = None
+        self.inflight = []
         ids = list(self.sched.groups)
         self.sched.abort_requests(ids)
         self._route([EngineOutput(rid, -1, [], finish_reason="error", error=f"engine failure: {reason}")

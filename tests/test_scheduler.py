@@ -156,11 +156,15 @@ class SeqResult:
 class Harness:
     """A scheduler, its fake runner, and the outputs collected per (request_id, index)."""
 
-    def __init__(self, script: dict[str, list[int]] | None = None, eos: list[int] | None = None, **config):
+    def __init__(self, script: dict[str, list[int]] | None = None, eos: list[int] | None = None,
+                 pipelined: bool = False, **config):
         self.sched = Scheduler(SchedulerConfig(**config), [EOS] if eos is None else eos)
         self.runner = FakeRunner(self.sched, script)
         self.results: dict[tuple[str, int], SeqResult] = {}
         self.steps: list[SchedulerOutput] = []
+        # pipelined: like the scheduler process, step N+1 is scheduled (and run, in order) before N's results
+        self.in_flight_after_step = 1 if pipelined else 0
+        self.inflight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
 
     def add(self, request_id: str, prompt: list[int], **sp) -> None:
         sp.setdefault("max_tokens", 8)
@@ -181,10 +185,15 @@ class Harness:
         assert sched.total_num_tokens <= c.max_num_batched_tokens
         assert len(sched.new_reqs) + len(sched.cached_reqs) <= c.max_num_seqs
         self.steps.append(sched)
-        result = self.runner.execute(sched)
-        self.collect(self.sched.update_from_output(sched, result))
-        check_scheduler_state(self.sched)
+        self.inflight.append((sched, self.runner.execute(sched)))
+        while len(self.inflight) > self.in_flight_after_step:
+            self.collect(self.sched.update_from_output(*self.inflight.pop(0)))
+            check_scheduler_state(self.sched)
         return sched
+
+    def flush(self) -> None:
+        while self.inflight:
+            self.collect(self.sched.update_from_output(*self.inflight.pop(0)))
 
     def abort(self, request_ids: list[str], indexes: list[int] | None = None) -> None:
         self.collect(self.sched.abort_requests(request_ids, indexes))
@@ -196,7 +205,9 @@ class Harness:
                 break
             self.step()
         assert not self.sched.has_unfinished(), "the scheduler made no progress"
+        self.flush()
         self.step()   # flushes the last finished ids to the worker
+        self.flush()
         self.assert_all_free()
         assert not self.runner.reqs, f"worker still holds {sorted(self.runner.reqs)}"
         return self.results
@@ -698,6 +709,24 @@ request_strategy = st.tuples(
 def test_random_workloads_keep_blocks_consistent_and_outputs_correct(
         reqs: list[tuple[int, int, int, int, int]], num_blocks: int, num_host_blocks: int, budget: int,
         max_num_seqs: int, caching: bool, aborts: list[tuple[int, int, int]]) -> None:
+    run_random_workload(reqs, num_blocks, num_host_blocks, budget, max_num_seqs, caching, aborts, pipelined=False)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=st.lists(request_strategy, min_size=2, max_size=7),
+       num_blocks=st.integers(6, 16), num_host_blocks=st.sampled_from([0, 4, 32]),
+       budget=st.integers(4, 40), max_num_seqs=st.integers(1, 8), caching=st.booleans(),
+       aborts=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 6), st.integers(-1, 2)), max_size=3))
+def test_random_workloads_with_async_scheduling(
+        reqs: list[tuple[int, int, int, int, int]], num_blocks: int, num_host_blocks: int, budget: int,
+        max_num_seqs: int, caching: bool, aborts: list[tuple[int, int, int]]) -> None:
+    """Step N+1 is scheduled before step N's samples are back, as the scheduler process does."""
+    run_random_workload(reqs, num_blocks, num_host_blocks, budget, max_num_seqs, caching, aborts, pipelined=True)
+
+
+def run_random_workload(reqs: list[tuple[int, int, int, int, int]], num_blocks: int, num_host_blocks: int,
+                        budget: int, max_num_seqs: int, caching: bool, aborts: list[tuple[int, int, int]],
+                        pipelined: bool) -> None:
     bs = 4
     prefixes = [prompt(1000, 8), prompt(1001, 5), []]
     work = []
@@ -706,7 +735,8 @@ def test_random_workloads_keep_blocks_consistent_and_outputs_correct(
         max_tokens = min(max_tokens, num_blocks * bs - len(p))
         work.append((f"q{i}", p, {"max_tokens": max_tokens, "n": min(n, max_num_seqs), "ignore_eos": True}))
     h = Harness(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, block_size=bs, num_blocks=num_blocks,
-                num_host_blocks=num_host_blocks, enable_prefix_caching=caching, max_model_len=4096)
+                num_host_blocks=num_host_blocks, enable_prefix_caching=caching, max_model_len=4096,
+                pipelined=pipelined)
     arrivals = sorted((r[4], i) for i, r in enumerate(reqs))
     aborted: set[tuple[str, int]] = set()
     step = 0
