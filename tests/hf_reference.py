@@ -15,12 +15,14 @@ class HFGreedy:
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> HFGreedy:
     model.generation_config.eos_token_id = eos_token_id    # None: run to max_new_tokens, like ignore_eos
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        dev = model.device
+        out = model.generate(torch.tensor([prompt_ids], device=dev),
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=dev),
                              do_sample=False, max_new_tokens=max_new_tokens,
                              pad_token_id=0, output_logits=True, return_dict_in_generate=True,
                              temperature=None, top_p=None, top_k=None)
     gen = out.sequences[0, len(prompt_ids):].tolist()
-    return HFGreedy(gen, [lg[0].float().log_softmax(-1) for lg in out.logits][:len(gen)])
+    return HFGreedy(gen, [lg[0].float().cpu().log_softmax(-1) for lg in out.logits][:len(gen)])
 
 
 @dataclass
