@@ -701,27 +701,17 @@ request_strategy = st.tuples(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=st.lists(request_strategy, min_size=2, max_size=7),
        num_blocks=st.integers(6, 16), num_host_blocks=st.sampled_from([0, 4, 32]),
        budget=st.integers(4, 40), max_num_seqs=st.integers(1, 8), caching=st.booleans(),
-       aborts=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 6), st.integers(-1, 2)), max_size=3))
+       aborts=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 6), st.integers(-1, 2)), max_size=3),
+       pipelined=st.booleans())
 def test_random_workloads_keep_blocks_consistent_and_outputs_correct(
         reqs: list[tuple[int, int, int, int, int]], num_blocks: int, num_host_blocks: int, budget: int,
-        max_num_seqs: int, caching: bool, aborts: list[tuple[int, int, int]]) -> None:
-    run_random_workload(reqs, num_blocks, num_host_blocks, budget, max_num_seqs, caching, aborts, pipelined=False)
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(reqs=st.lists(request_strategy, min_size=2, max_size=7),
-       num_blocks=st.integers(6, 16), num_host_blocks=st.sampled_from([0, 4, 32]),
-       budget=st.integers(4, 40), max_num_seqs=st.integers(1, 8), caching=st.booleans(),
-       aborts=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 6), st.integers(-1, 2)), max_size=3))
-def test_random_workloads_with_async_scheduling(
-        reqs: list[tuple[int, int, int, int, int]], num_blocks: int, num_host_blocks: int, budget: int,
-        max_num_seqs: int, caching: bool, aborts: list[tuple[int, int, int]]) -> None:
-    """Step N+1 is scheduled before step N's samples are back, as the scheduler process does."""
-    run_random_workload(reqs, num_blocks, num_host_blocks, budget, max_num_seqs, caching, aborts, pipelined=True)
+        max_num_seqs: int, caching: bool, aborts: list[tuple[int, int, int]], pipelined: bool) -> None:
+    """pipelined: step N+1 is scheduled before step N's samples are back, as the scheduler process does."""
+    run_random_workload(reqs, num_blocks, num_host_blocks, budget, max_num_seqs, caching, aborts, pipelined)
 
 
 def run_random_workload(reqs: list[tuple[int, int, int, int, int]], num_blocks: int, num_host_blocks: int,
