@@ -3,6 +3,8 @@ then executes each step it receives; rank 0 returns the sampled tokens."""
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 import traceback
 
 import zmq
@@ -18,6 +20,7 @@ def run_worker(config: EngineConfig, address: str, rank: int = 0) -> None:
     from gpu_worker.model_runner import ModelRunner
     from scheduler.executor import initialize_runner
     die_with_parent()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # exit cleanly, closing the socket
     runner = ModelRunner(config)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
