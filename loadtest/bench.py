@@ -63,12 +63,12 @@ def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def run_guarded(name: str, fn: Callable[[], SystemResult], is_pagedserve: bool = False) -> SystemResult:
-    """Run one row; an exception becomes an n/a row instead of ending the benchmark."""
+def run_guarded(name: str, fn: Callable[..., SystemResult], *args: Any, is_pagedserve: bool = False) -> SystemResult:
+    """Run one row, fn(*args); an exception becomes an n/a row instead of ending the benchmark."""
     progress(f"running {name}")
     t0 = time.perf_counter()
     try:
-        res = fn()
+        res = fn(*args)
     except Exception as e:   # noqa: BLE001
         logging.getLogger("loadtest").debug("row %s failed", name, exc_info=True)
         res = SystemResult.failed(name, f"{type(e).__name__}: {str(e)[:300]}", is_pagedserve)
@@ -88,12 +88,12 @@ def run_hf_rows(args: argparse.Namespace, reqs: list[BenchRequest], device: str)
     try:
         for s in wanted:
             if s == "hf1":
-                rows.append(run_guarded("hf-1", lambda: hf.run_hf_sequential(model, reqs)))
+                rows.append(run_guarded("hf-1", hf.run_hf_sequential, model, reqs))
             elif s == "hfstatic":
-                rows.append(run_guarded(f"hf-static{args.static_batch}",
-                                        lambda: hf.run_hf_static(model, reqs, args.static_batch)))
+                rows.append(run_guarded(f"hf-static{args.static_batch}", hf.run_hf_static, model, reqs,
+                                        args.static_batch))
             else:
-                rows.append(run_guarded("hf-cb", lambda: hf.run_hf_continuous(model, reqs)))
+                rows.append(run_guarded("hf-cb", hf.run_hf_continuous, model, reqs))
     finally:
         del model
         hf.release_memory()
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if HF_SYSTEMS & set(args.systems):
         rows += run_hf_rows(args, reqs, device)
     if "offline" in args.systems:
-        rows.append(run_guarded("offline", lambda: ps.run_offline(reqs, args.threads), True))
+        rows.append(run_guarded("offline", ps.run_offline, reqs, args.threads, is_pagedserve=True))
     if "http" in args.systems:
         progress(f"running http at concurrency {args.http_concurrency}")
         rows += ps.run_http(reqs, args.http_concurrency, args.threads)

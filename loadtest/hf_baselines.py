@@ -16,7 +16,6 @@ stamps the clock each time generate appends a token.
 from __future__ import annotations
 
 import gc
-import logging
 import time
 from collections.abc import Callable
 
@@ -24,8 +23,6 @@ import torch
 
 from loadtest.report import RequestTiming, SystemResult
 from loadtest.workload import BenchRequest
-
-log = logging.getLogger("loadtest.hf")
 
 PAD_ID = 0
 STATIC_BATCH = 16

@@ -61,21 +61,22 @@ def gemm_ceiling_gflops(mc: ModelConfig, batch: int = 64, passes: int = 5, devic
     flops = 2.0 * batch * sum(m.numel() for m in mats)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    def one_pass() -> None:
-        for w in mats:
-            torch.matmul(xs[w.shape[1]], w.t())
-
     with torch.inference_mode():
-        one_pass()   # warm-up: allocator, kernels, page faults on the weights
+        _gemm_pass(mats, xs)   # warm-up: allocator, kernels, page faults on the weights
         sync()
         t0 = time.perf_counter()
         for _ in range(passes):
-            one_pass()
+            _gemm_pass(mats, xs)
         sync()
         elapsed = time.perf_counter() - t0
     del mats, xs
     gc.collect()
     return flops * passes / elapsed / 1e9
+
+
+def _gemm_pass(mats: list[torch.Tensor], xs: dict[int, torch.Tensor]) -> None:
+    for w in mats:
+        torch.matmul(xs[w.shape[1]], w.t())
 
 
 def decode_tokens_per_s(batch: int = 64, steps: int = 20, prompt_len: int = 16, threads: int | None = None,
