@@ -68,6 +68,7 @@ class EngineConfig:
     """Every tunable of the engine; the CLI flags map one-to-one onto these fields."""
     model: str | None = None
     dtype: str = "auto"
+    quantization: str = "none"            # "int8": dynamic int8 matmuls (CPU speed mode)
     load_format: str = "auto"             # "dummy": random weights, for benchmarks of model shapes alone
     device: str = "auto"
     attention_backend: str = "auto"

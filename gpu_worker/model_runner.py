@@ -17,6 +17,7 @@ from common.model_source import ModelSource
 from common.protocol import Logprob, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from common.sampling_params import SamplingParams
 from gpu_worker.attention import AttentionMetadata, get_backend
+from gpu_worker.layers.linear import set_linear_method
 from gpu_worker.models import build_model
 from gpu_worker.sampler import SamplingBatch, prompt_logprobs, sample
 from gpu_worker.weight_loader import load_weights
@@ -67,6 +68,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.device(self.device):
             self.model = build_model(self.model_config, self.dtype, self.max_model_len)
+            set_linear_method(self.model, config.quantization)
             load_weights(self.model, self.source, config.load_format)
         self.model.eval()
         log.info("loaded %s (%s, %s) in %.1fs", self.source.name, self.model_config.arch, self.dtype,
