@@ -110,7 +110,7 @@ class LLM:
                     if bar:
                         bar.update(1)
             if aborts:
-                self.engine.scheduler.abort_requests([a[0] for a in aborts], [a[1] for a in aborts])
+                self.engine.abort([a[0] for a in aborts], [a[1] for a in aborts])
             if pending and not self.engine.has_unfinished():
                 raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
         if bar:

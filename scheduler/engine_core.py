@@ -34,8 +34,9 @@ class EngineCore:
     def add_request(self, req: EngineRequest) -> None:
         self.scheduler.add_request(req)
 
-    def abort(self, request_ids: list[str]) -> list[EngineOutput]:
-        return self.scheduler.abort_requests(request_ids)
+    def abort(self, request_ids: list[str], indexes: list[int] | None = None) -> list[EngineOutput]:
+        """Abort whole requests, or (with indexes, -1 = all) single choices of them."""
+        return self.scheduler.abort_requests(request_ids, indexes)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -1,8 +1,9 @@
 """Pure-torch paged attention: the CPU backend and the reference the Triton kernels are tested against.
 
-Decodes (one query token) of the whole batch run as one padded SDPA call over K/V gathered block by
-block through the block tables; prefill chunks run one SDPA call each (there are few per step). A fresh prefill with no
-cached context attends to its own K/V directly, with no gather.
+Decodes (one query token) run as padded batched SDPA calls over K/V gathered block by block through the
+block tables; decodes are grouped by length so a few long sequences do not pad every short one. Prefill
+chunks run one SDPA call each (there are few per step); a fresh prefill with no cached context attends
+to its own new K/V directly, with no gather. Index tensors are built once per step in prepare().
 """
 from __future__ import annotations
 
@@ -11,40 +12,51 @@ import torch.nn.functional as F
 
 from gpu_worker.attention import AttentionMetadata
 
+# decodes whose lengths differ by more than this factor go to separate SDPA calls
+_DECODE_GROUP_SPREAD = 2.0
 
-def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    return block_table[positions // block_size].long() * block_size + positions % block_size
+
+def _decode_groups(lengths: list[int], order: list[int]) -> list[list[int]]:
+    """Split decodes (sorted by length) into groups whose longest is at most SPREAD x their shortest."""
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[i] <= _DECODE_GROUP_SPREAD * lengths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 class TorchAttentionBackend:
     name = "torch"
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        ql, sl = meta.query_lens_list, meta.seq_lens_list
+        ql, sl, bs = meta.query_lens_list, meta.seq_lens_list, meta.block_size
         dev = meta.block_tables.device
-        decodes = [i for i, q in enumerate(ql) if q == 1]
-        extra = meta.extra
-        if decodes:
-            idx = torch.tensor(decodes, device=dev)
-            max_len = max(sl[i] for i in decodes)
-            num_blocks = -(-max_len // meta.block_size)
-            pos = torch.arange(num_blocks * meta.block_size, device=dev)
-            extra["decode_rows"] = meta.query_start_loc[idx].long()
-            extra["decode_blocks"] = meta.block_tables[idx, :num_blocks].long()          # [Bd, nb]
-            extra["decode_mask"] = (pos[None, :] < meta.seq_lens[idx][:, None].to(pos.dtype))[:, None, None, :]
-        extra["prefills"] = []
+        decodes = sorted((i for i, q in enumerate(ql) if q == 1), key=lambda i: sl[i])
+        meta.extra["decodes"] = [self._decode_group(meta, g) for g in _decode_groups(sl, decodes)]
+        meta.extra["prefills"] = []
+        starts = meta.query_start_loc.tolist()
         for i, q in enumerate(ql):
             if q == 1:
                 continue
-            start = int(meta.query_start_loc[i])
             ctx = sl[i] - q
-            entry = {"rows": slice(start, start + q), "fresh": ctx == 0}
+            entry = {"rows": slice(starts[i], starts[i] + q), "fresh": ctx == 0, "len": sl[i]}
             if ctx:
-                pos = torch.arange(sl[i], device=dev)
-                entry["slots"] = _slots(meta.block_tables[i], pos, meta.block_size)
+                entry["blocks"] = meta.block_tables[i, :-(-sl[i] // bs)].long()
                 qpos = torch.arange(ctx, sl[i], device=dev)
-                entry["mask"] = pos[None, :] <= qpos[:, None]
-            extra["prefills"].append(entry)
+                entry["mask"] = torch.arange(sl[i], device=dev)[None, :] <= qpos[:, None]
+            meta.extra["prefills"].append(entry)
+
+    @staticmethod
+    def _decode_group(meta: AttentionMetadata, idx_list: list[int]) -> dict:
+        dev = meta.block_tables.device
+        idx = torch.tensor(idx_list, device=dev)
+        num_blocks = -(-max(meta.seq_lens_list[i] for i in idx_list) // meta.block_size)
+        pos = torch.arange(num_blocks * meta.block_size, device=dev)
+        return {"rows": meta.query_start_loc[idx].long(),
+                "blocks": meta.block_tables[idx, :num_blocks].long(),                     # [Bd, nb]
+                "mask": (pos[None, :] < meta.seq_lens[idx][:, None].to(pos.dtype))[:, None, None, :]}
 
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         nh, hd = k_cache.shape[-2:]
@@ -57,32 +69,30 @@ class TorchAttentionBackend:
         if "prefills" not in meta.extra:
             self.prepare(meta)
         nh, hd = k_cache.shape[-2:]
-        kf, vf = k_cache.view(-1, nh, hd), v_cache.view(-1, nh, hd)
         out = torch.empty_like(query)
-        ex = meta.extra
-        if "decode_rows" in ex:
-            rows, blocks = ex["decode_rows"], ex["decode_blocks"]
+        for g in meta.extra["decodes"]:
+            rows, blocks = g["rows"], g["blocks"]
             bd, length = blocks.shape[0], blocks.shape[1] * k_cache.shape[1]
-            q = query[rows].unsqueeze(2)                                      # [Bd, Hq, 1, D]
+            q = query[rows].unsqueeze(2)                                       # [Bd, Hq, 1, D]
             # gathering whole blocks copies contiguous chunks: much cheaper than a gather per slot
-            k = k_cache[blocks].view(bd, length, nh, hd).transpose(1, 2)     # [Bd, Hkv, L, D]
+            k = k_cache[blocks].view(bd, length, nh, hd).transpose(1, 2)      # [Bd, Hkv, L, D]
             v = v_cache[blocks].view(bd, length, nh, hd).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=ex["decode_mask"],
+            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=g["mask"],
                                                scale=scale, enable_gqa=True)
             out[rows] = o.squeeze(2)
-        for p in ex["prefills"]:
-            q = query[p["rows"]].transpose(0, 1)                              # [Hq, n, D]
-            if p["fresh"] and key is not None:
-                k, v = key[p["rows"]].transpose(0, 1), value[p["rows"]].transpose(0, 1)
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        for p in meta.extra["prefills"]:
+            rows = p["rows"]
+            q = query[rows].transpose(0, 1).unsqueeze(0)                       # [1, Hq, n, D]: 4-D is SDPA's fast path
+            if p["fresh"]:
+                k, v = (key[rows], value[rows]) if key is not None else \
+                    (t.view(-1, nh, hd)[meta.slot_mapping[rows]] for t in (k_cache, v_cache))
+                o = F.scaled_dot_product_attention(q, k.transpose(0, 1).unsqueeze(0).to(q.dtype),
+                                                   v.transpose(0, 1).unsqueeze(0).to(q.dtype), is_causal=True,
+                                                   scale=scale, enable_gqa=True)
             else:
-                if p["fresh"]:
-                    n = q.shape[1]
-                    pos = torch.arange(n, device=q.device)
-                    p["slots"] = meta.slot_mapping[p["rows"]]
-                    p["mask"] = pos[None, :] <= pos[:, None]
-                k = kf[p["slots"]].transpose(0, 1).to(q.dtype)
-                v = vf[p["slots"]].transpose(0, 1).to(q.dtype)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=p["mask"], scale=scale, enable_gqa=True)
-            out[p["rows"]] = o.transpose(0, 1)
+                k = k_cache[p["blocks"]].view(-1, nh, hd)[:p["len"]].transpose(0, 1).unsqueeze(0)
+                v = v_cache[p["blocks"]].view(-1, nh, hd)[:p["len"]].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=p["mask"],
+                                                   scale=scale, enable_gqa=True)
+            out[rows] = o.squeeze(0).transpose(0, 1)
         return out
