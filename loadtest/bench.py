@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens-cap", type=int, default=None, help="cap every request's max_tokens")
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma list of {', '.join(ALL_SYSTEMS)}")
     p.add_argument("--http-concurrency", default="1,16,64", help="comma list of client concurrencies")
+    p.add_argument("--quantization", default="none",
+                   help="comma list of pagedserve linear methods to run (none = fp32, int8); one row set each")
     p.add_argument("--static-batch", type=int, default=16, help="batch size of the hfstatic row")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for every system (HF rows, offline, the server's worker); default: torch's")
@@ -124,11 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[SystemResult] = []
     if HF_SYSTEMS & set(args.systems):
         rows += run_hf_rows(args, reqs, device)
-    if "offline" in args.systems:
-        rows.append(run_guarded("offline", ps.run_offline, reqs, args.threads, is_pagedserve=True))
-    if "http" in args.systems:
-        progress(f"running http at concurrency {args.http_concurrency}")
-        rows += ps.run_http(reqs, args.http_concurrency, args.threads)
+    for quant in args.quantization.split(","):
+        if "offline" in args.systems:
+            rows.append(run_guarded(ps.row_name("offline", quant), ps.run_offline, reqs, args.threads, None, quant,
+                                    is_pagedserve=True))
+        if "http" in args.systems:
+            progress(f"running http at concurrency {args.http_concurrency} ({quant})")
+            rows += ps.run_http(reqs, args.http_concurrency, args.threads, None, quant)
         for r in rows:
             if r.system.startswith("http") and r.error:
                 progress(f"{r.system} n/a: {r.error}")

@@ -26,24 +26,30 @@ ENGINE_KWARGS: dict[str, Any] = {"dtype": "float32", "kv_cache_memory": 2, "swap
 WARMUP = BenchRequest("warmup", list(range(100, 116)), 4)   # token ids absent from the workload's prompts
 
 
-def engine_kwargs(threads: int | None = None) -> dict[str, Any]:
+def engine_kwargs(threads: int | None = None, quantization: str = "none") -> dict[str, Any]:
     kw = dict(ENGINE_KWARGS)
     if threads:
         kw["num_threads"] = threads
+    if quantization != "none":
+        kw["quantization"] = quantization
     return kw
 
 
-def server_flags(threads: int | None = None) -> list[str]:
+def row_name(base: str, quantization: str) -> str:
+    return base if quantization == "none" else f"{base}-{quantization}"
+
+
+def server_flags(threads: int | None = None, quantization: str = "none") -> list[str]:
     """ENGINE_KWARGS as `pagedserve serve` flags, so both rows run the same engine configuration."""
     flags = []
-    for k, v in engine_kwargs(threads).items():
+    for k, v in engine_kwargs(threads, quantization).items():
         flags += ["--" + k.replace("_", "-"), str(v)]
     return flags
 
 
-def make_llm(threads: int | None = None, model: str | None = None, **overrides: Any):
+def make_llm(threads: int | None = None, model: str | None = None, quantization: str = "none", **overrides: Any):
     from pagedserve import LLM
-    return LLM(model, **{**engine_kwargs(threads), **overrides})
+    return LLM(model, **{**engine_kwargs(threads, quantization), **overrides})
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -86,10 +92,11 @@ def drive_engine(llm, reqs: list[BenchRequest], prefix: str) -> tuple[float, lis
     return wall, timings
 
 
-def run_offline(reqs: list[BenchRequest], threads: int | None = None, model: str | None = None) -> SystemResult:
-    res = SystemResult("offline", is_pagedserve=True,
+def run_offline(reqs: list[BenchRequest], threads: int | None = None, model: str | None = None,
+                quantization: str = "none") -> SystemResult:
+    res = SystemResult(row_name("offline", quantization), is_pagedserve=True,
                        notes=["pagedserve engine in-process, all requests added at t=0, stepped by hand"])
-    llm = make_llm(threads, model)
+    llm = make_llm(threads, model, quantization)
     try:
         drive_engine(llm, [WARMUP], "warmup")
         res.wall_s, res.timings = drive_engine(llm, reqs, "bench")
@@ -104,13 +111,13 @@ def run_offline(reqs: list[BenchRequest], threads: int | None = None, model: str
 
 
 def run_http(reqs: list[BenchRequest], concurrencies: list[int], threads: int | None = None,
-             model: str | None = None) -> list[SystemResult]:
+             model: str | None = None, quantization: str = "none") -> list[SystemResult]:
     """One row per concurrency level; a level whose server fails prints as n/a and the next one still runs."""
     rows = []
     for c in concurrencies:
-        name = f"http-c{c}"
+        name = row_name(f"http-c{c}", quantization)
         try:
-            with PagedServeServer(server_flags(threads), model=model) as srv:
+            with PagedServeServer(server_flags(threads, quantization), model=model) as srv:
                 rows.append(asyncio.run(_http_row(name, srv.url, reqs, c)))
         except Exception as e:   # noqa: BLE001 - a broken server must not take the other rows down
             rows.append(SystemResult.failed(name, _short(e), is_pagedserve=True))

@@ -96,7 +96,10 @@ class EngineClient:
         try:
             await self.sock.send(encode(EngineRequest(request_id, prompt_token_ids, params, time.monotonic(),
                                                       self.client_id)))
-            ack = await asyncio.wait_for(fut, timeout)
+            # not asyncio.wait_for: before Python 3.12 it swallows a cancellation that lands in the same loop
+            # iteration as the ack, so a client that hung up right then would never abort its request
+            async with asyncio.timeout(timeout):
+                ack = await fut
         except BaseException:
             self.queues.pop(request_id, None)
             raise

@@ -126,7 +126,7 @@ class SchedulerProcess:
                     ack.code, ack.error, ack.param = e.code, str(e), e.param
             self._send(ident, ack)
         elif isinstance(msg, AbortRequests):
-            outs = self.core.abort([r for r in msg.request_ids], msg.indexes)
+            outs = self.core.abort(list(msg.request_ids), msg.indexes)   # per choice where given
             self._route(outs)
         elif isinstance(msg, Hello):
             pass
