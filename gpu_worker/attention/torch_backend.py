@@ -30,6 +30,22 @@ def _decode_groups(lengths: list[int], order: list[int]) -> list[list[int]]:
 class TorchAttentionBackend:
     name = "torch"
 
+    def __init__(self) -> None:
+        # Scratch for gathered K/V, reused by every layer: a fresh multi-MB tensor per call costs more in
+        # page faults than the copy itself (index_select into it is ~2.5x faster than a fresh gather).
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    def _gather(self, name: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """cache[blocks] for blocks [..., nb] -> [..., nb, block_size, Hkv, D], into reused scratch."""
+        n = blocks.numel()
+        buf = self._scratch.get(name)
+        if buf is None or buf.shape[0] < n or buf.dtype != cache.dtype or buf.shape[1:] != cache.shape[1:]:
+            buf = self._scratch[name] = torch.empty((max(n, 64), *cache.shape[1:]), dtype=cache.dtype,
+                                                    device=cache.device)
+        out = buf[:n]
+        torch.index_select(cache, 0, blocks.reshape(-1), out=out)
+        return out.view(*blocks.shape, *cache.shape[1:])
+
     def prepare(self, meta: AttentionMetadata) -> None:
         ql, sl, bs = meta.query_lens_list, meta.seq_lens_list, meta.block_size
         dev = meta.block_tables.device
@@ -75,8 +91,8 @@ class TorchAttentionBackend:
             bd, length = blocks.shape[0], blocks.shape[1] * k_cache.shape[1]
             q = query[rows].unsqueeze(2)                                       # [Bd, Hq, 1, D]
             # gathering whole blocks copies contiguous chunks: much cheaper than a gather per slot
-            k = k_cache[blocks].view(bd, length, nh, hd).transpose(1, 2)      # [Bd, Hkv, L, D]
-            v = v_cache[blocks].view(bd, length, nh, hd).transpose(1, 2)
+            k = self._gather("k", k_cache, blocks).view(bd, length, nh, hd).transpose(1, 2)   # [Bd, Hkv, L, D]
+            v = self._gather("v", v_cache, blocks).view(bd, length, nh, hd).transpose(1, 2)
             o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=g["mask"],
                                                scale=scale, enable_gqa=True)
             out[rows] = o.squeeze(2)
@@ -90,8 +106,8 @@ class TorchAttentionBackend:
                                                    v.transpose(0, 1).unsqueeze(0).to(q.dtype), is_causal=True,
                                                    scale=scale, enable_gqa=True)
             else:
-                k = k_cache[p["blocks"]].view(-1, nh, hd)[:p["len"]].transpose(0, 1).unsqueeze(0)
-                v = v_cache[p["blocks"]].view(-1, nh, hd)[:p["len"]].transpose(0, 1).unsqueeze(0)
+                k = self._gather("k", k_cache, p["blocks"]).view(-1, nh, hd)[:p["len"]].transpose(0, 1).unsqueeze(0)
+                v = self._gather("v", v_cache, p["blocks"]).view(-1, nh, hd)[:p["len"]].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=p["mask"],
                                                    scale=scale, enable_gqa=True)
             out[rows] = o.squeeze(0).transpose(0, 1)
