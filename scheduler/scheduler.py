@@ -198,10 +198,7 @@ class Scheduler:
             out.blocks_to_swap_in.extend(self.kv.swap_in(req))
             alloc = self.kv.allocate_slots(req, n)
             assert alloc is not None
-            req.status = Status.RUNNING
-            self.running.append(req)
-            num_seqs += self._num_seqs(req)
-            self._emit(req, n, alloc, out)
+            num_seqs += self._start_running(req, n, alloc, out)
             budget -= n
         return budget
 
@@ -224,11 +221,16 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
                 self.stats.prefix_cache_queries += req.num_prompt_tokens
                 self.stats.prefix_cache_hits += num_hit
-            req.status = Status.RUNNING
-            self.running.append(req)
-            num_seqs += self._num_seqs(req)
-            self._emit(req, n, alloc, out)
+            num_seqs += self._start_running(req, n, alloc, out)
             budget -= n
+
+    def _start_running(self, req: Request, n: int, alloc: tuple[list[tuple[int, int]], int],
+                       out: SchedulerOutput) -> int:
+        """Move a waiting or swapped-in request into the running queue; returns the sequences it adds."""
+        req.status = Status.RUNNING
+        self.running.append(req)
+        self._emit(req, n, alloc, out)
+        return self._num_seqs(req)
 
     def _num_seqs(self, req: Request) -> int:
         """Running sequences req is or will become: an unforked parent brings its unborn siblings."""
