@@ -27,6 +27,7 @@ class ModelConfig:
     qk_norm: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    sliding_window: int | None = None     # attention is full-context here, so contexts are capped at it
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -57,7 +58,14 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             bos_token_id=cfg.get("bos_token_id"),
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None,
         )
+
+    @property
+    def max_context(self) -> int:
+        """Longest context we serve exactly: sliding-window attention is not implemented, so a window
+        shorter than the position limit caps the context rather than silently changing the outputs."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

@@ -62,8 +62,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len or self.model_config.max_context, self.model_config.max_context)
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         with torch.device(self.device):

@@ -8,7 +8,7 @@ import torch
 
 from common.model_source import ModelSource
 
-TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")   # llama3: Llama with Llama 3 rope scaling
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +24,11 @@ def build_tiny_model(folder: Path, arch: str, tokenizer, seed: int = 0) -> Path:
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False)
     if arch == "llama":
         cfg = tf.LlamaConfig(**common, rope_theta=10000.0)
+        cls = tf.LlamaForCausalLM
+    elif arch == "llama3":   # small original context so the scaling changes the low frequencies
+        cfg = tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
         cls = tf.LlamaForCausalLM
     elif arch == "mistral":
         cfg = tf.MistralConfig(**common, sliding_window=None)
