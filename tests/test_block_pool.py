@@ -321,14 +321,21 @@ def test_only_full_computed_blocks_are_registered() -> None:
 
 
 # ---- KVCacheManager: fork and copy-on-write ------------------------------------------------------------
+def fork_after_prefill(kv: KVCacheManager, prompt_len: int) -> tuple[Request, Request]:
+    """A parent whose prompt is computed and first token sampled, and the sibling forked from it, which
+    recomputes the last prompt token to sample its own."""
+    parent = make_req("p", list(range(prompt_len)))
+    compute(kv, parent, prompt_len)
+    parent.output_token_ids.append(40)
+    child = make_req("p#1", list(range(prompt_len)))
+    child.num_computed_tokens = prompt_len - 1
+    kv.fork(parent, child)
+    return parent, child
+
+
 def test_fork_shares_every_block_and_copies_on_the_first_write() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
-    parent = make_req("p", list(range(6)))
-    compute(kv, parent, 6)
-    parent.output_token_ids.append(40)
-    child = make_req("p#1", list(range(6)))
-    child.num_computed_tokens = 5                   # recomputes the last prompt token to sample its own
-    kv.fork(parent, child)
+    parent, child = fork_after_prefill(kv, 6)
     b0, b1 = kv.table("p")
     assert kv.table("p#1") == [b0, b1]
     assert kv.pool.blocks[b0].ref_cnt == kv.pool.blocks[b1].ref_cnt == 2
@@ -351,12 +358,7 @@ def test_fork_shares_every_block_and_copies_on_the_first_write() -> None:
 
 def test_copy_on_write_of_a_full_cached_block_is_reregistered_without_stealing_the_hash() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
-    parent = make_req("p", list(range(8)))
-    compute(kv, parent, 8)
-    parent.output_token_ids.append(40)
-    child = make_req("p#1", list(range(8)))
-    child.num_computed_tokens = 7
-    kv.fork(parent, child)
+    parent, child = fork_after_prefill(kv, 8)
     (src, dst), = kv.allocate_slots(child, 1)[0]
     child.num_computed_tokens = 8
     kv.cache_full_blocks(child)
