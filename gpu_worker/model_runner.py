@@ -103,16 +103,15 @@ class ModelRunner:
         return num, host
 
     def _dummy_forward(self) -> None:
+        """One full-budget step on a throwaway cache, so profiling sees the peak activation memory."""
         n = self.config.max_num_batched_tokens
         saved = self.kv_caches
-        self.init_kv_cache(max(1, -(-n // self.block_size)), 0)
-        state = RequestState("__profile__", [0] * n, n, SamplingParams(max_tokens=1, temperature=0),
-                             list(range(len(self.kv_caches[0][0]))), 0, None)
-        self.requests[state.req_id] = state
-        from common.protocol import CachedRequestData
-        out = SchedulerOutput(step_id=-1, cached_reqs=[CachedRequestData(state.req_id, 0, state.block_ids, 0, n)])
-        self.execute(out)
-        self.requests.pop(state.req_id)
+        num_blocks = max(1, -(-n // self.block_size))
+        self.init_kv_cache(num_blocks, 0)
+        req = NewRequestData("__profile__", [0] * n, n, SamplingParams(max_tokens=1, temperature=0),
+                             list(range(num_blocks)), 0, n)
+        self.execute(SchedulerOutput(step_id=-1, new_reqs=[req]))
+        self.requests.pop(req.req_id)
         self.kv_caches = saved
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
