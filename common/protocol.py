@@ -14,6 +14,13 @@ import msgpack
 
 from common.sampling_params import SamplingParams
 
+# ---- liveness: every process reads these from here, so the two ends of a heartbeat cannot disagree ----
+HEARTBEAT_S = 0.5          # routers send Hello and the scheduler broadcasts Stats this often
+DEAD_AFTER_S = 3.0         # a router calls the scheduler dead after this long without Stats
+CLIENT_TTL_S = 10.0        # the scheduler forgets a router it has not heard from for this long
+STEP_TIMEOUT_S = 600.0     # a worker step longer than this is treated as a dead worker
+STARTUP_TIMEOUT_S = 600.0  # workers must load the model and say ready within this
+
 # One logprob record for one position: (chosen token's logprob, chosen token's rank, top ids, top logprobs).
 Logprob = tuple[float, int, list[int], list[float]]
 

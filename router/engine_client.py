@@ -14,14 +14,12 @@ import uuid
 import zmq
 import zmq.asyncio
 
-from common.protocol import (AbortRequests, Ack, EngineOutput, EngineOutputs, EngineRequest, Hello, Stats,
+from common.protocol import (DEAD_AFTER_S, HEARTBEAT_S, AbortRequests, Ack, EngineOutput, EngineOutputs, EngineRequest, Hello, Stats,
                              decode, encode)
 from common.sampling_params import SamplingParams
 
 log = logging.getLogger("pagedserve.router")
 
-HEARTBEAT_S = 0.5
-DEAD_AFTER_S = 3.0
 
 
 class EngineRejected(Exception):

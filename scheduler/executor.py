@@ -8,8 +8,8 @@ from typing import Any, Protocol
 import zmq
 
 from common.config import EngineConfig
-from common.protocol import (Hello, ModelRunnerOutput, SchedulerOutput, WorkerInit, WorkerReady, decode,
-                             encode)
+from common.protocol import (STARTUP_TIMEOUT_S, STEP_TIMEOUT_S, Hello, ModelRunnerOutput, SchedulerOutput,
+                             WorkerInit, WorkerReady, decode, encode)
 
 
 class Executor(Protocol):
@@ -53,8 +53,8 @@ class ZmqExecutor:
     """Worker processes over ZeroMQ. Each step is sent to every rank; rank 0 answers. A worker that
     disconnects (killed, crashed) or exceeds `step_timeout` raises WorkerDied instead of hanging."""
 
-    def __init__(self, ctx, address: str, num_workers: int = 1, step_timeout: float = 600.0,
-                 startup_timeout: float = 600.0):
+    def __init__(self, ctx, address: str, num_workers: int = 1, step_timeout: float = STEP_TIMEOUT_S,
+                 startup_timeout: float = STARTUP_TIMEOUT_S):
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

@@ -16,8 +16,8 @@ import zmq
 from common.config import EngineConfig
 from common.model_source import ModelSource, eos_token_ids
 from common.process import die_with_parent
-from common.protocol import (AbortRequests, Ack, EngineOutput, EngineOutputs, EngineRequest, Hello,
-                             SchedulerOutput, Stats, decode, encode)
+from common.protocol import (CLIENT_TTL_S, HEARTBEAT_S, AbortRequests, Ack, EngineOutput, EngineOutputs,
+                             EngineRequest, Hello, SchedulerOutput, Stats, decode, encode)
 from common.sampling_params import SamplingParams
 from scheduler.engine_core import EngineCore
 from scheduler.executor import WorkerDied, ZmqExecutor
@@ -25,9 +25,7 @@ from scheduler.scheduler import RequestRejected
 
 log = logging.getLogger("pagedserve.scheduler")
 
-HEARTBEAT_S = 0.5
 STATS_LOG_S = 10.0
-CLIENT_TTL_S = 10.0
 PIPELINE_DEPTH = 2
 
 

@@ -29,6 +29,7 @@ import aiohttp
 import openai
 import pytest
 
+from common.protocol import HEARTBEAT_S
 from tests.server_utils import REPO, Server, free_port, run_server
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,7 +41,6 @@ MAX_BODY_BYTES = 64 * 1024
 # One torch thread per worker: with two cores shared by the worker, the scheduler, the routers and this test
 # process (and whatever else runs), a second OpenMP thread makes every step wait on a descheduled peer.
 SMALL_KV = ("--kv-cache-memory", "0.2", "--swap-space", "0.05", "--num-threads", "1")
-HEARTBEAT_S = 0.5
 METRIC_NAMES = ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
                 "prompt_tokens_total", "generation_tokens_total", "request_success_total",
                 "num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
