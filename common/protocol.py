@@ -1,7 +1,7 @@
 """Every message that crosses a process boundary, defined once, with its msgpack wire form.
 
 Flow is one way: router -> scheduler (EngineRequest, AbortRequests), scheduler -> workers
-(SchedulerOutput: new requests once, then only deltas), workers -> scheduler (ModelRunnerOutput),
+(SchedulerOutput: new sequences once, then only deltas), workers -> scheduler (ModelRunnerOutput),
 scheduler -> routers (EngineOutputs).
 """
 from __future__ import annotations
@@ -42,9 +42,9 @@ class AbortRequests:
 
 
 @dataclass
-class NewRequestData:
-    """A request the worker has not seen (or has dropped, after a preemption)."""
-    req_id: str
+class NewSequenceData:
+    """A sequence the worker has not seen (or has dropped, after a preemption)."""
+    seq_id: str
     token_ids: list[int]          # prompt + outputs so far
     num_prompt_tokens: int
     sampling_params: SamplingParams
@@ -52,46 +52,50 @@ class NewRequestData:
     num_computed_tokens: int
     num_new_tokens: int           # tokens to run this step
     seed: int | None = None
+    lora_id: int = 0              # adapter slot the sequence runs with; 0 is the base model
 
 
 @dataclass
-class CachedRequestData:
-    """Delta for a request the worker already holds: its block table from `blocks_from` on is replaced by
+class CachedSequenceData:
+    """Delta for a sequence the worker already holds: its block table from `blocks_from` on is replaced by
     `block_ids` (appended blocks, or a copy-on-write replacement)."""
-    req_id: str
+    seq_id: str
     blocks_from: int
     block_ids: list[int]
     num_computed_tokens: int
     num_new_tokens: int
+    # Draft tokens to verify after the known ones (speculative decoding): the worker runs them in the same
+    # pass and samples at each of the k + 1 positions. num_new_tokens counts them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
 class SchedulerOutput:
     step_id: int
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    finished_req_ids: list[str] = field(default_factory=list)   # drop state (finished, aborted or preempted)
+    new_seqs: list[NewSequenceData] = field(default_factory=list)
+    cached_seqs: list[CachedSequenceData] = field(default_factory=list)
+    finished_seq_ids: list[str] = field(default_factory=list)   # drop state (finished, aborted or preempted)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)       # (src, dst) device blocks
 
     @property
     def total_num_tokens(self) -> int:
-        return sum(r.num_new_tokens for r in self.new_reqs) + sum(r.num_new_tokens for r in self.cached_reqs)
+        return sum(r.num_new_tokens for r in self.new_seqs) + sum(r.num_new_tokens for r in self.cached_seqs)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.new_reqs or self.cached_reqs or self.finished_req_ids or self.blocks_to_swap_out
+        return not (self.new_seqs or self.cached_seqs or self.finished_seq_ids or self.blocks_to_swap_out
                     or self.blocks_to_swap_in or self.blocks_to_copy)
 
 
 @dataclass
 class ModelRunnerOutput:
     step_id: int
-    req_ids: list[str] = field(default_factory=list)              # requests that sampled this step
+    seq_ids: list[str] = field(default_factory=list)              # sequences that sampled this step
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[Logprob] | None] = field(default_factory=list)
-    prompt_logprobs: dict[str, list[Logprob | None]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[Logprob | None]] = field(default_factory=dict)   # seq_id -> records
     error: str | None = None
 
 
@@ -138,10 +142,20 @@ class WorkerInit:
 
 
 @dataclass
+class WorkerInfo:
+    """What only a worker knows once its model is loaded and its KV cache allocated."""
+    num_blocks: int
+    num_host_blocks: int
+    max_model_len: int
+    vocab_size: int
+    block_bytes: int
+
+
+@dataclass
 class WorkerReady:
-    """Worker -> scheduler: start-up done; `info` holds num_blocks, num_host_blocks, max_model_len."""
+    """Worker -> scheduler: start-up done."""
     rank: int
-    info: dict[str, Any]
+    info: WorkerInfo
 
 
 @dataclass
@@ -154,9 +168,9 @@ class Stats:
 
 
 # ---- wire form -------------------------------------------------------------------------------------
-_TYPES: list[type] = [EngineRequest, AbortRequests, NewRequestData, CachedRequestData, SchedulerOutput,
+_TYPES: list[type] = [EngineRequest, AbortRequests, NewSequenceData, CachedSequenceData, SchedulerOutput,
                       ModelRunnerOutput, EngineOutput, EngineOutputs, SamplingParams, Hello, Ack, Stats,
-          WorkerInit, WorkerReady]
+                      WorkerInit, WorkerInfo, WorkerReady]
 _TAG = {t: i for i, t in enumerate(_TYPES)}
 _FIELDS = {t: [f.name for f in dataclasses.fields(t)] for t in _TYPES}
 

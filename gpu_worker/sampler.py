@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.protocol import Logprob
+from gpu_worker.step_inputs import SequenceState
 
 
 @dataclass
@@ -34,6 +35,55 @@ class SamplingBatch:
     ban_rows: torch.Tensor | None = None        # min_tokens: (row, token) pairs forced to -inf
     ban_cols: torch.Tensor | None = None
     max_logprobs: int = -1                      # -1: nobody asked
+
+
+def build_sampling_batch(states: list[SequenceState], vocab: int, eos_ids: set[int],
+                         device: torch.device) -> SamplingBatch:
+    """Per-row parameter tensors for the rows' sequences; optional parts are built only when some row uses
+    them, so an all-greedy batch costs one small tensor."""
+    ps = [s.params for s in states]
+    temp = torch.tensor([0.0 if p.greedy else p.temperature for p in ps], device=device)
+    b = SamplingBatch(temperature=temp, all_greedy=all(p.greedy for p in ps))
+    if not b.all_greedy:
+        _add_filters(b, states, vocab, device)
+    if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in ps):
+        _add_penalties(b, states, vocab, device)
+    if any(p.logit_bias for p in ps):
+        coords = [(i, t, v) for i, p in enumerate(ps) for t, v in (p.logit_bias or {}).items()]
+        b.bias_rows, b.bias_cols, b.bias_vals = (torch.tensor(c, device=device) for c in zip(*coords))
+    bans = [(i, t) for i, s in enumerate(states) if s.num_output_tokens < s.params.min_tokens
+            for t in set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else eos_ids)]
+    if bans:
+        b.ban_rows, b.ban_cols = (torch.tensor(c, device=device) for c in zip(*bans))
+    lp = [p.logprobs for p in ps if p.logprobs is not None]
+    b.max_logprobs = max(lp) if lp else -1
+    return b
+
+
+def _add_filters(b: SamplingBatch, states: list[SequenceState], vocab: int, device: torch.device) -> None:
+    ps = [s.params for s in states]
+    if any(p.top_k > 0 for p in ps):
+        b.top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in ps], device=device)
+    if any(p.top_p < 1.0 for p in ps):
+        b.top_p = torch.tensor([p.top_p for p in ps], device=device)
+    if any(p.min_p > 0 for p in ps):
+        b.min_p = torch.tensor([p.min_p for p in ps], device=device)
+    b.generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None and not ps[i].greedy}
+
+
+def _add_penalties(b: SamplingBatch, states: list[SequenceState], vocab: int, device: torch.device) -> None:
+    ps = [s.params for s in states]
+    counts = torch.zeros(len(ps), vocab, device=device)
+    prompt = torch.zeros(len(ps), vocab, dtype=torch.bool, device=device)
+    for i, s in enumerate(states):
+        out = s.token_ids[s.num_prompt_tokens:]
+        if out:
+            counts[i].index_add_(0, torch.tensor(out, device=device), torch.ones(len(out), device=device))
+        prompt[i, torch.tensor(s.token_ids[:s.num_prompt_tokens], device=device)] = True
+    b.output_counts, b.prompt_mask = counts, prompt
+    b.presence = torch.tensor([p.presence_penalty for p in ps], device=device)
+    b.frequency = torch.tensor([p.frequency_penalty for p in ps], device=device)
+    b.repetition = torch.tensor([p.repetition_penalty for p in ps], device=device)
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

@@ -17,8 +17,7 @@ log = logging.getLogger("pagedserve.worker")
 
 
 def run_worker(config: EngineConfig, address: str, rank: int = 0) -> None:
-    from gpu_worker.model_runner import ModelRunner
-    from scheduler.executor import initialize_runner
+    from gpu_worker.model_runner import ModelRunner   # torch loads after the signal set-up below is cheap
     die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # exit cleanly, closing the socket
     runner = ModelRunner(config)
@@ -41,7 +40,7 @@ def run_worker(config: EngineConfig, address: str, rank: int = 0) -> None:
                 if rank == 0:
                     sock.send(encode(out))
             elif isinstance(msg, WorkerInit):
-                sock.send(encode(WorkerReady(rank, initialize_runner(runner, msg.eos_token_ids))))
+                sock.send(encode(WorkerReady(rank, runner.initialize(msg.eos_token_ids))))
             elif msg is None:   # shutdown
                 break
     finally:

@@ -32,23 +32,23 @@ class FakeRunner:
     token count and computed tokens, and samples one token for every request whose prompt is done."""
 
     def __init__(self) -> None:
-        self.state: dict[str, list[int]] = {}   # req_id -> [tokens known, tokens computed]
+        self.state: dict[str, list[int]] = {}   # seq_id -> [tokens known, tokens computed]
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        for rid in so.finished_req_ids:
+        for rid in so.finished_seq_ids:
             self.state.pop(rid, None)
         out = ModelRunnerOutput(so.step_id)
         stepped = []
-        for r in so.new_reqs:
-            self.state[r.req_id] = [len(r.token_ids), r.num_computed_tokens + r.num_new_tokens]
-            stepped.append(r.req_id)
-        for c in so.cached_reqs:
-            self.state[c.req_id][1] = c.num_computed_tokens + c.num_new_tokens
-            stepped.append(c.req_id)
+        for r in so.new_seqs:
+            self.state[r.seq_id] = [len(r.token_ids), r.num_computed_tokens + r.num_new_tokens]
+            stepped.append(r.seq_id)
+        for c in so.cached_seqs:
+            self.state[c.seq_id][1] = c.num_computed_tokens + c.num_new_tokens
+            stepped.append(c.seq_id)
         for rid in stepped:
             st = self.state[rid]
             if st[1] >= st[0]:
-                out.req_ids.append(rid)
+                out.seq_ids.append(rid)
                 out.sampled_token_ids.append([SAMPLED_TOKEN])
                 st[0] += 1
         return out
@@ -96,8 +96,8 @@ def scheduler_step_cost(num_seqs: int = 256, steps: int = 200, prompt_len: int =
         t2 = time.perf_counter()
         outs = sched.update_from_output(so, res)
         t3 = time.perf_counter()
-        if len(res.req_ids) != num_seqs:
-            raise RuntimeError(f"a steady-state step sampled {len(res.req_ids)} sequences, expected {num_seqs}")
+        if len(res.seq_ids) != num_seqs:
+            raise RuntimeError(f"a steady-state step sampled {len(res.seq_ids)} sequences, expected {num_seqs}")
         t_sched.append(t1 - t0)
         t_update.append(t3 - t2)
         sample = StepSample(so, res, EngineOutputs(outs))
@@ -116,7 +116,7 @@ def scheduler_step_cost(num_seqs: int = 256, steps: int = 200, prompt_len: int =
 
 def ipc_cost(sample: StepSample, repeats: int = 300) -> dict[str, Any]:
     """Bytes and encode/decode time per step for each message of one steady-state step."""
-    out: dict[str, Any] = {"num_seqs": len(sample.result.req_ids)}
+    out: dict[str, Any] = {"num_seqs": len(sample.result.seq_ids)}
     total_us = 0.0
     total_bytes = 0
     for name, msg in (("scheduler_output", sample.sched), ("runner_output", sample.result),

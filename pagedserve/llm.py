@@ -15,7 +15,7 @@ from common.output_processor import RequestTracker
 from common.protocol import EngineRequest, Logprob
 from common.sampling_params import SamplingParams
 from scheduler.engine_core import EngineCore
-from scheduler.executor import InprocExecutor
+from pagedserve.inproc_executor import InprocExecutor
 
 log = logging.getLogger("pagedserve")
 

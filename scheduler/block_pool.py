@@ -81,6 +81,35 @@ class BlockPool:
             blk.block_hash = block_hash
             self.cached.setdefault(block_hash, block_id)
 
+    # ---- read-only views ----------------------------------------------------------------------
+    def ref_count(self, block_id: int) -> int:
+        return self.blocks[block_id].ref_cnt
+
+    def block_hash(self, block_id: int) -> int | None:
+        return self.blocks[block_id].block_hash
+
+    def is_free(self, block_id: int) -> bool:
+        return block_id in self.free_queue
+
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in eviction order: the next allocation takes the first."""
+        return list(self.free_queue)
+
+    def cached_block_ids(self) -> set[int]:
+        """Blocks findable by their hash (in use or free)."""
+        return set(self.cached.values())
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if reference counts, the free queue or the hash index disagree."""
+        refs = [b.ref_cnt for b in self.blocks]
+        if any(r < 0 for r in refs):
+            raise AssertionError(f"negative reference counts: {refs}")
+        if set(self.free_queue) != {b.block_id for b in self.blocks if b.ref_cnt == 0}:
+            raise AssertionError("the free queue differs from the blocks nobody references")
+        for h, bid in self.cached.items():
+            if self.blocks[bid].block_hash != h:
+                raise AssertionError(f"block {bid} is indexed under hash {h} but carries {self.blocks[bid].block_hash}")
+
     def reset_prefix_cache(self) -> None:
         self.cached.clear()
         for blk in self.blocks:

@@ -7,7 +7,8 @@ import logging
 from common.config import EngineConfig
 from common.protocol import EngineOutput, EngineRequest
 from scheduler.executor import Executor
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler import Scheduler
 
 log = logging.getLogger("pagedserve.engine")
 
@@ -17,19 +18,13 @@ class EngineCore:
         self.config = config
         self.executor = executor
         info = executor.initialize(eos_token_ids)
-        self.max_model_len = info["max_model_len"]
-        self.num_blocks = info["num_blocks"]
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len, vocab_size=info["vocab_size"], block_size=config.block_size, num_blocks=info["num_blocks"],
-            num_host_blocks=info["num_host_blocks"], enable_prefix_caching=config.enable_prefix_caching,
-            max_waiting_requests=config.max_waiting_requests, max_waiting_tokens=config.max_waiting_tokens),
-            eos_token_ids)
-        tokens = info["num_blocks"] * config.block_size
+        self.max_model_len = info.max_model_len
+        self.num_blocks = info.num_blocks
+        self.scheduler = Scheduler(SchedulerConfig.from_engine(config, info), eos_token_ids)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d host blocks for swap; %.1f concurrent requests "
-                 "at max_model_len %d", info["num_blocks"], config.block_size,
-                 info["num_blocks"] * info["block_bytes"] / (1 << 30), info["num_host_blocks"],
-                 tokens / self.max_model_len, self.max_model_len)
+                 "at max_model_len %d", info.num_blocks, config.block_size,
+                 info.num_blocks * info.block_bytes / (1 << 30), info.num_host_blocks,
+                 info.num_blocks * config.block_size / self.max_model_len, self.max_model_len)
 
     def add_request(self, req: EngineRequest) -> None:
         self.scheduler.add_request(req)

@@ -1,48 +1,26 @@
-"""How the engine core reaches its model runner(s): in this process (offline API, tests) or over
-ZeroMQ to worker processes (serving). Both answer the same three calls."""
+"""How the engine core reaches its model runner(s): the Executor protocol, and its ZeroMQ implementation
+for worker processes (serving). The in-process one (offline API, tests) lives in pagedserve/, the only
+package allowed to join the scheduler and the worker in one process."""
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 import zmq
 
-from common.config import EngineConfig
 from common.protocol import (STARTUP_TIMEOUT_S, STEP_TIMEOUT_S, Hello, ModelRunnerOutput, SchedulerOutput,
-                             WorkerInit, WorkerReady, decode, encode)
+                             WorkerInfo, WorkerInit, WorkerReady, decode, encode)
 
 
 class Executor(Protocol):
-    def initialize(self, eos_token_ids: list[int]) -> dict[str, Any]:
-        """Load the model, size and allocate the KV cache; return num_blocks, num_host_blocks, max_model_len."""
+    """What the engine core needs of the model runners, wherever they run."""
+
+    def initialize(self, eos_token_ids: list[int]) -> WorkerInfo:
+        """Load the model, size and allocate the KV cache, and say what was allocated."""
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def shutdown(self) -> None: ...
-
-
-class InprocExecutor:
-    def __init__(self, config: EngineConfig, source=None):
-        from gpu_worker.model_runner import ModelRunner  # the scheduler package itself stays tensor-free
-        self.runner = ModelRunner(config, source)
-
-    def initialize(self, eos_token_ids: list[int]) -> dict[str, Any]:
-        return initialize_runner(self.runner, eos_token_ids)
-
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(sched)
-
-    def shutdown(self) -> None:
-        pass
-
-
-def initialize_runner(runner, eos_token_ids: list[int]) -> dict[str, Any]:
-    runner.eos_ids |= set(eos_token_ids)
-    num_blocks, num_host = runner.profile_num_blocks()
-    runner.init_kv_cache(num_blocks, num_host)
-    return {"num_blocks": num_blocks, "num_host_blocks": num_host, "max_model_len": runner.max_model_len,
-            "vocab_size": runner.model_config.vocab_size,
-            "block_bytes": runner.block_bytes()}
 
 
 class WorkerDied(RuntimeError):
@@ -66,7 +44,7 @@ class ZmqExecutor:
         self.identities: list[bytes] = []
         self.submitted: list[float] = []   # submit times of the steps in flight, oldest first
 
-    def initialize(self, eos_token_ids: list[int]) -> dict[str, Any]:
+    def initialize(self, eos_token_ids: list[int]) -> WorkerInfo:
         deadline = time.monotonic() + self.startup_timeout
         while len(self.identities) < self.num_workers:
             ident, msg = self._recv(deadline)
@@ -75,7 +53,7 @@ class ZmqExecutor:
         self.identities.sort()
         for ident in self.identities:
             self.sock.send_multipart([ident, encode(WorkerInit(eos_token_ids))])
-        infos = {}
+        infos: dict[int, WorkerInfo] = {}
         while len(infos) < self.num_workers:
             _, msg = self._recv(deadline)
             m = decode(msg)

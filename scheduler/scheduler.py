@@ -11,33 +11,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.protocol import (CachedRequestData, EngineOutput, EngineRequest, ModelRunnerOutput,
-                             NewRequestData, SchedulerOutput)
-from scheduler.kv_cache_manager import KVCacheManager, cdiv
-from scheduler.request import Request, Status
-
-
-class RequestRejected(ValueError):
-    """The request can never be served as asked; `code` is an HTTP status for the router."""
-
-    def __init__(self, message: str, code: int = 400, param: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.param = param
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 256
-    max_model_len: int = 2048
-    vocab_size: int | None = None
-    block_size: int = 16
-    num_blocks: int = 1024
-    num_host_blocks: int = 0
-    enable_prefix_caching: bool = True
-    max_waiting_requests: int = 4096
-    max_waiting_tokens: int = 1 << 22
+from common.protocol import (CachedSequenceData, EngineOutput, EngineRequest, ModelRunnerOutput,
+                             NewSequenceData, SchedulerOutput)
+from scheduler.admission import RequestRejected, validate_request
+from scheduler.config import SchedulerConfig
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.sequence import Sequence, Status
+from scheduler.sequence_group import SequenceGroup
 
 
 @dataclass
@@ -59,89 +39,50 @@ class Scheduler:
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                                  config.num_host_blocks)
         self.eos_token_ids = frozenset(eos_token_ids or [])
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.swapped: deque[Request] = deque()
-        self.requests: dict[str, Request] = {}              # req_id -> sequence
-        self.groups: dict[str, list[Request | None]] = {}   # request_id -> its n sequences
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.seqs: dict[str, Sequence] = {}                 # seq_id -> live sequence
+        self.groups: dict[str, SequenceGroup] = {}          # request_id -> its choices
         self.stats = SchedulerStats()
         self._to_drop: list[str] = []                       # worker state to free at the next step
         self._step_ids = itertools.count()
 
     # ---- admission -----------------------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
-        c = self.config
-        sp = er.sampling_params
-        n_prompt = len(er.prompt_token_ids)
+        """Queue a request as its first sequence (its other choices are forked after its prefill)."""
         if er.request_id in self.groups:
             raise RequestRejected(f"request id {er.request_id!r} is already in use", 400)
-        if n_prompt == 0:
-            raise RequestRejected("the prompt is empty", 400, "prompt")
-        self._check_token_ids(er)
-        if sp.n > c.max_num_seqs:
-            raise RequestRejected(f"n ({sp.n}) exceeds max_num_seqs ({c.max_num_seqs}), the most sequences that "
-                                  f"can run at once", 400, "n")
-        if n_prompt >= c.max_model_len:
-            raise RequestRejected(f"the prompt has {n_prompt} tokens, but this model's maximum context length "
-                                  f"(max_model_len) is {c.max_model_len}; at least one token must be left to generate",
-                                  400, "prompt")
-        max_tokens = sp.max_tokens if sp.max_tokens is not None else c.max_model_len - n_prompt
-        if n_prompt + max_tokens > c.max_model_len:
-            raise RequestRejected(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = {n_prompt + max_tokens} "
-                                  f"exceeds max_model_len {c.max_model_len}", 400, "max_tokens")
-        need = cdiv(n_prompt + max_tokens, c.block_size)
-        if need > c.num_blocks:
-            raise RequestRejected(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks but "
-                                  f"the cache holds only {c.num_blocks} blocks of {c.block_size} tokens "
-                                  f"({c.num_blocks * c.block_size} tokens)", 400, "max_tokens")
-        if len(self.waiting) >= c.max_waiting_requests or \
-                sum(r.num_tokens for r in self.waiting) + n_prompt > c.max_waiting_tokens:
-            self.stats.admission_rejections += 1
-            raise RequestRejected("the server is overloaded: the waiting queue is full", 429)
-        req = Request(req_id=er.request_id, request_id=er.request_id, index=0,
-                      prompt_token_ids=list(er.prompt_token_ids), sampling_params=sp, max_tokens=max_tokens,
-                      eos_token_ids=self.eos_token_ids, client_id=er.client_id, seed=sp.seed,
-                      arrival_time=er.arrival_time or time.monotonic(), pending_fork=sp.n > 1)
-        self.requests[req.req_id] = req
-        self.groups[er.request_id] = [req] + [None] * (sp.n - 1)
-        self.waiting.append(req)
-
-    def _check_token_ids(self, er: EngineRequest) -> None:
-        """Out-of-vocabulary ids would fail the whole batch's step on the worker: refuse them here."""
-        v = self.config.vocab_size
-        if v is None:
-            return
+        try:
+            max_tokens = validate_request(er, self.config, len(self.waiting),
+                                          sum(s.num_tokens for s in self.waiting))
+        except RequestRejected as e:
+            if e.code == 429:
+                self.stats.admission_rejections += 1
+            raise
         sp = er.sampling_params
-        for param, ids in (("prompt", er.prompt_token_ids), ("stop_token_ids", sp.stop_token_ids),
-                           ("logit_bias", list(sp.logit_bias or ()))):
-            bad = next((t for t in ids if not 0 <= t < v), None)
-            if bad is not None:
-                raise RequestRejected(f"token id {bad} in {param} is outside the vocabulary [0, {v})", 400, param)
+        seq = Sequence(seq_id=er.request_id, request_id=er.request_id, index=0,
+                       prompt_token_ids=list(er.prompt_token_ids), sampling_params=sp, max_tokens=max_tokens,
+                       eos_token_ids=self.eos_token_ids, client_id=er.client_id, seed=sp.seed,
+                       arrival_time=er.arrival_time or time.monotonic())
+        self.seqs[seq.seq_id] = seq
+        self.groups[er.request_id] = SequenceGroup.create(seq, sp.n)
+        self.waiting.append(seq)
 
     def abort_requests(self, request_ids: list[str], indexes: list[int] | None = None) -> list[EngineOutput]:
-        """Finish every sequence of these requests (or only choice indexes[k] of request k, where that is not
+        """Finish every choice of these requests (or only choice indexes[k] of request k, where that is not
         -1) at once and free what they hold."""
         outs = []
         for k, rid in enumerate(request_ids):
             group = self.groups.get(rid)
             if group is None:
                 continue
-            only = indexes[k] if indexes else -1
-            if only == 0 and group[0].pending_fork:
-                only = -1   # the unforked parent takes its unborn choices with it: report them too
-            for i, seq in enumerate(group):
-                if only >= 0 and i != only:
-                    continue
-                if seq is None:   # unborn: a finished stand-in keeps the fork from creating it later
-                    group[i] = Request(req_id=f"{rid}#{i}", request_id=rid, index=i, prompt_token_ids=[],
-                                       sampling_params=group[0].sampling_params, max_tokens=0,
-                                       eos_token_ids=self.eos_token_ids, status=Status.FINISHED,
-                                       finish_reason="abort")
-                    outs.append(EngineOutput(rid, i, [], finish_reason="abort"))
-                elif not seq.is_finished:
-                    seq.finish_reason = "abort"
-                    self._finish(seq)
-                    outs.append(EngineOutput(rid, i, [], finish_reason="abort"))
+            dropped, live = group.abort(indexes[k] if indexes else -1)
+            for seq in live:
+                seq.finish_reason = "abort"
+                self._finish(seq)
+            outs += [EngineOutput(rid, i, [], finish_reason="abort") for i in sorted(dropped + [s.index for s in live])]
+            self._forget_if_done(group)
         return outs
 
     def has_unfinished(self) -> bool:
@@ -151,31 +92,35 @@ class Scheduler:
     def num_unfinished_requests(self) -> int:
         return len(self.groups)
 
+    def group(self, request_id: str) -> SequenceGroup | None:
+        """The live group of a request (None once every choice has finished)."""
+        return self.groups.get(request_id)
+
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(step_id=next(self._step_ids), finished_req_ids=self._to_drop)
+        out = SchedulerOutput(step_id=next(self._step_ids), finished_seq_ids=self._to_drop)
         self._to_drop = []
         budget = self.config.max_num_batched_tokens
         preempted = False
 
         i = 0
         while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens_to_compute, budget)
+            seq = self.running[i]
+            n = min(seq.num_tokens_to_compute, budget)
             if n <= 0:   # its last token is still in flight
                 i += 1
                 continue
-            alloc = self.kv.allocate_slots(req, n)
+            alloc = self.kv.allocate_slots(seq, n)
             while alloc is None:
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 preempted = True
-                if victim is req:
+                if victim is seq:
                     break
-                alloc = self.kv.allocate_slots(req, n)
+                alloc = self.kv.allocate_slots(seq, n)
             if alloc is None:
                 break
-            self._emit(req, n, alloc, out)
+            self._emit(seq, n, alloc, out)
             budget -= n
             i += 1
 
@@ -188,96 +133,96 @@ class Scheduler:
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         num_seqs = sum(self._num_seqs(r) for r in self.running)
         while self.swapped and budget > 0:
-            req = self.swapped[0]
-            if req.num_pending or num_seqs + self._num_seqs(req) > self.config.max_num_seqs:
+            seq = self.swapped[0]
+            if seq.num_pending or num_seqs + self._num_seqs(seq) > self.config.max_num_seqs:
                 break
-            n = min(req.num_tokens_to_compute, budget)
-            if not self.kv.can_swap_in(req, n):
+            n = min(seq.num_tokens_to_compute, budget)
+            if not self.kv.can_swap_in(seq, n):
                 break
             self.swapped.popleft()
-            out.blocks_to_swap_in.extend(self.kv.swap_in(req))
-            alloc = self.kv.allocate_slots(req, n)
+            out.blocks_to_swap_in.extend(self.kv.swap_in(seq))
+            alloc = self.kv.allocate_slots(seq, n)
             assert alloc is not None
-            num_seqs += self._start_running(req, n, alloc, out)
+            num_seqs += self._start_running(seq, n, alloc, out)
             budget -= n
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         num_seqs = sum(self._num_seqs(r) for r in self.running)
         while self.waiting and budget > 0:
-            req = self.waiting[0]
-            if req.num_pending or num_seqs + self._num_seqs(req) > self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_pending or num_seqs + self._num_seqs(seq) > self.config.max_num_seqs:
                 break
-            hits = self.kv.get_computed_blocks(req)
+            hits = self.kv.get_computed_blocks(seq)
             num_hit = len(hits) * self.config.block_size
-            req.num_computed_tokens = num_hit
-            n = min(req.num_tokens - num_hit, budget)
-            alloc = self.kv.allocate_slots(req, n, hits)
+            seq.num_computed_tokens = num_hit
+            n = min(seq.num_tokens - num_hit, budget)
+            alloc = self.kv.allocate_slots(seq, n, hits)
             if alloc is None:
-                req.num_computed_tokens = 0
+                seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-                self.stats.prefix_cache_queries += req.num_prompt_tokens
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_hit
+                self.stats.prefix_cache_queries += seq.num_prompt_tokens
                 self.stats.prefix_cache_hits += num_hit
-            num_seqs += self._start_running(req, n, alloc, out)
+            num_seqs += self._start_running(seq, n, alloc, out)
             budget -= n
 
-    def _start_running(self, req: Request, n: int, alloc: tuple[list[tuple[int, int]], int],
+    def _start_running(self, seq: Sequence, n: int, alloc: tuple[list[tuple[int, int]], int],
                        out: SchedulerOutput) -> int:
-        """Move a waiting or swapped-in request into the running queue; returns the sequences it adds."""
-        req.status = Status.RUNNING
-        self.running.append(req)
-        self._emit(req, n, alloc, out)
-        return self._num_seqs(req)
+        """Move a waiting or swapped-in sequence into the running queue; returns the sequences it adds."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        self._emit(seq, n, alloc, out)
+        return self._num_seqs(seq)
 
-    def _num_seqs(self, req: Request) -> int:
-        """Running sequences req is or will become: an unforked parent brings its unborn siblings."""
-        return 1 + (sum(s is None for s in self.groups[req.request_id]) if req.pending_fork else 0)
+    def _num_seqs(self, seq: Sequence) -> int:
+        """Running sequences seq is or will become: an unforked parent brings its unborn siblings."""
+        return self.groups[seq.request_id].num_seqs_brought(seq)
 
-    def _emit(self, req: Request, n: int, alloc: tuple[list[tuple[int, int]], int], out: SchedulerOutput) -> None:
-        """Record that req runs n tokens this step, as a new request or as a delta for the worker."""
+    def _emit(self, seq: Sequence, n: int, alloc: tuple[list[tuple[int, int]], int], out: SchedulerOutput) -> None:
+        """Record that seq runs n tokens this step, as a new sequence or as a delta for the worker."""
         copies, first_changed = alloc
         out.blocks_to_copy.extend(copies)
-        table = self.kv.table(req.req_id)
-        if not req.on_worker:
-            out.new_reqs.append(NewRequestData(req.req_id, req.all_token_ids, req.num_prompt_tokens,
-                                               req.sampling_params, list(table), req.num_computed_tokens, n,
-                                               req.seed))
-            req.on_worker = True
+        table = self.kv.table(seq.seq_id)
+        if not seq.on_worker:
+            out.new_seqs.append(NewSequenceData(seq.seq_id, seq.all_token_ids, seq.num_prompt_tokens,
+                                                seq.sampling_params, list(table), seq.num_computed_tokens, n,
+                                                seq.seed))
+            seq.on_worker = True
         else:
-            start = min(first_changed, req.worker_num_blocks)
-            out.cached_reqs.append(CachedRequestData(req.req_id, start, table[start:], req.num_computed_tokens, n))
-        req.worker_num_blocks = len(table)
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = time.monotonic()
-        if req.num_computed_tokens < req.num_prompt_tokens:
-            self.stats.prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
-        req.num_computed_tokens += n
-        if req.num_computed_tokens >= req.num_tokens + req.num_pending:
-            req.num_pending += 1        # this step samples its next token
-        # Blocks this step fills are findable at once: a later request in this same step may hit them,
+            start = min(first_changed, seq.worker_num_blocks)
+            out.cached_seqs.append(CachedSequenceData(seq.seq_id, start, table[start:], seq.num_computed_tokens, n))
+        seq.worker_num_blocks = len(table)
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            self.stats.prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens >= seq.num_tokens + seq.num_pending:
+            seq.num_pending += 1        # this step samples its next token
+        # Blocks this step fills are findable at once: a later sequence in this same step may hit them,
         # which is safe because every layer writes the step's K/V before any of its attention reads.
-        self.kv.cache_full_blocks(req)
+        self.kv.cache_full_blocks(seq)
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.stats.num_preemptions += 1
-        req.num_preemptions += 1
-        if req.on_worker:
-            out.finished_req_ids.append(req.req_id)
-        req.on_worker = False
-        req.worker_num_blocks = 0
-        if self.kv.num_host_blocks and self.kv.can_swap_out(req):
-            out.blocks_to_swap_out.extend(self.kv.swap_out(req))
-            req.status = Status.SWAPPED
-            self.swapped.append(req)
+        seq.num_preemptions += 1
+        if seq.on_worker:
+            out.finished_seq_ids.append(seq.seq_id)
+        seq.on_worker = False
+        seq.worker_num_blocks = 0
+        if self.kv.num_host_blocks and self.kv.can_swap_out(seq):
+            out.blocks_to_swap_out.extend(self.kv.swap_out(seq))
+            seq.status = Status.SWAPPED
+            self.swapped.append(seq)
             self.stats.num_swap_preemptions += 1
         else:
-            self.kv.free(req)
-            req.num_computed_tokens = 0
-            req.status = Status.WAITING
-            self.waiting.appendleft(req)
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
             self.stats.num_recompute_preemptions += 1
 
     # ---- results -------------------------------------------------------------------------------
@@ -285,80 +230,70 @@ class Scheduler:
         """Append sampled tokens, apply stop conditions, fork n > 1 siblings, and report per sequence."""
         outs = []
         max_len = self.config.max_model_len
-        for k, req_id in enumerate(result.req_ids):
-            req = self.requests.get(req_id)
-            if req is None or req.is_finished or req.num_pending == 0:
+        for k, seq_id in enumerate(result.seq_ids):
+            seq = self.seqs.get(seq_id)
+            if seq is None or seq.is_finished or seq.num_pending == 0:
                 continue  # finished or aborted while the step ran
-            req.num_pending -= 1    # a sequence preempted meanwhile keeps its token: it was computed correctly
+            seq.num_pending -= 1    # a sequence preempted meanwhile keeps its token: it was computed correctly
             new = result.sampled_token_ids[k]
-            req.output_token_ids.extend(new)
+            seq.output_token_ids.extend(new)
             self.stats.generation_tokens += len(new)
-            if req.pending_fork:
-                self._fork(req)
-            stopped = req.check_stop(max_len)
-            eo = EngineOutput(req.request_id, req.index, new,
+            group = self.groups[seq.request_id]
+            if group.pending_fork:
+                self._fork(group)
+            stopped = seq.check_stop(max_len)
+            eo = EngineOutput(seq.request_id, seq.index, new,
                               logprobs=result.logprobs[k] if result.logprobs else None,
-                              num_prompt_tokens=req.num_prompt_tokens,
-                              num_cached_tokens=max(req.num_cached_tokens, 0))
-            if len(req.output_token_ids) == len(new) and req.first_scheduled_time is not None:
-                eo.queue_time = max(0.0, req.first_scheduled_time - req.arrival_time)
-            if req_id in result.prompt_logprobs:
-                eo.prompt_logprobs = result.prompt_logprobs[req_id]
+                              num_prompt_tokens=seq.num_prompt_tokens,
+                              num_cached_tokens=max(seq.num_cached_tokens, 0))
+            if len(seq.output_token_ids) == len(new) and seq.first_scheduled_time is not None:
+                eo.queue_time = max(0.0, seq.first_scheduled_time - seq.arrival_time)
+            if seq_id in result.prompt_logprobs:
+                eo.prompt_logprobs = result.prompt_logprobs[seq_id]
             if stopped:
-                eo.finish_reason, eo.stop_reason = req.finish_reason, req.stop_reason
-                self._finish(req)
+                eo.finish_reason, eo.stop_reason = seq.finish_reason, seq.stop_reason
+                self._finish(seq)
             outs.append(eo)
-        for req_id, plp in result.prompt_logprobs.items():   # chunks that did not sample yet
-            req = self.requests.get(req_id)
-            if req is not None and req_id not in result.req_ids:
-                outs.append(EngineOutput(req.request_id, req.index, [], prompt_logprobs=plp,
-                                         num_prompt_tokens=req.num_prompt_tokens))
+        for seq_id, plp in result.prompt_logprobs.items():   # chunks that did not sample yet
+            seq = self.seqs.get(seq_id)
+            if seq is not None and seq_id not in result.seq_ids:
+                outs.append(EngineOutput(seq.request_id, seq.index, [], prompt_logprobs=plp,
+                                         num_prompt_tokens=seq.num_prompt_tokens))
         return outs
 
-    def _fork(self, parent: Request) -> None:
-        """Create the siblings of an n > 1 request once its prompt is computed. They share the parent's
+    def _fork(self, group: SequenceGroup) -> None:
+        """Start the other choices of an n > 1 request once its prompt is computed. They share the parent's
         blocks; a parent preempted meanwhile holds none, so its siblings recompute the prompt instead."""
-        parent.pending_fork = False
-        group = self.groups[parent.request_id]
-        sp = parent.sampling_params
+        parent = group.parent
         shared = parent.status is Status.RUNNING
-        for i in range(1, len(group)):
-            if group[i] is not None:   # aborted before it was born
-                continue
-            child = Request(req_id=f"{parent.request_id}#{i}", request_id=parent.request_id, index=i,
-                            prompt_token_ids=parent.prompt_token_ids, sampling_params=sp,
-                            max_tokens=parent.max_tokens, eos_token_ids=parent.eos_token_ids,
-                            client_id=parent.client_id, arrival_time=parent.arrival_time,
-                            seed=None if sp.seed is None else sp.seed + i,
-                            num_computed_tokens=parent.num_prompt_tokens - 1 if shared else 0,
-                            num_cached_tokens=parent.num_cached_tokens,
-                            status=Status.RUNNING if shared else Status.WAITING)
-            self.requests[child.req_id] = child
-            group[i] = child
+        for child in group.fork(share_blocks=shared):
+            self.seqs[child.seq_id] = child
             if shared:
                 self.kv.fork(parent, child)
                 self.running.append(child)
             else:
                 self.waiting.appendleft(child)
 
-    def _finish(self, req: Request) -> None:
-        if req.status is Status.RUNNING:
-            self.running.remove(req)
-        elif req.status is Status.WAITING:
-            self.waiting.remove(req)
-        elif req.status is Status.SWAPPED:
-            self.swapped.remove(req)
-        req.status = Status.FINISHED
-        self.kv.free(req)
-        if req.on_worker:
-            self._to_drop.append(req.req_id)
-            req.on_worker = False
-        self.stats.finished[req.finish_reason or "abort"] = self.stats.finished.get(req.finish_reason or "abort", 0) + 1
-        del self.requests[req.req_id]
-        group = self.groups.get(req.request_id)
-        # a parent finishing before its fork takes its unborn siblings with it
-        if group is not None and (req.pending_fork or all(s is not None and s.is_finished for s in group)):
-            del self.groups[req.request_id]
+    def _finish(self, seq: Sequence) -> None:
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is Status.SWAPPED:
+            self.swapped.remove(seq)
+        seq.status = Status.FINISHED
+        self.kv.free(seq)
+        if seq.on_worker:
+            self._to_drop.append(seq.seq_id)
+            seq.on_worker = False
+        reason = seq.finish_reason or "abort"
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        del self.seqs[seq.seq_id]
+        self._forget_if_done(self.groups[seq.request_id])
+
+    def _forget_if_done(self, group: SequenceGroup) -> None:
+        if group.is_finished:
+            self.groups.pop(group.request_id, None)
 
     # ---- observability -------------------------------------------------------------------------
     def snapshot(self) -> dict[str, float]:

@@ -21,7 +21,7 @@ from common.protocol import (CLIENT_TTL_S, HEARTBEAT_S, AbortRequests, Ack, Engi
 from common.sampling_params import SamplingParams
 from scheduler.engine_core import EngineCore
 from scheduler.executor import WorkerDied, ZmqExecutor
-from scheduler.scheduler import RequestRejected
+from scheduler.admission import RequestRejected
 
 log = logging.getLogger("pagedserve.scheduler")
 

@@ -13,16 +13,16 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from common.sampling_params import SamplingParams
 from scheduler.block_pool import BlockPool
 from scheduler.kv_cache_manager import KVCacheManager, cdiv
-from scheduler.request import Request, hash_block
+from scheduler.sequence import Sequence, hash_block
 
 
-def make_req(req_id: str, tokens: list[int], prompt_logprobs: int | None = None) -> Request:
+def make_req(seq_id: str, tokens: list[int], prompt_logprobs: int | None = None) -> Sequence:
     sp = SamplingParams(max_tokens=64, prompt_logprobs=prompt_logprobs)
-    return Request(req_id=req_id, request_id=req_id, index=0, prompt_token_ids=list(tokens), sampling_params=sp,
+    return Sequence(seq_id=seq_id, request_id=seq_id, index=0, prompt_token_ids=list(tokens), sampling_params=sp,
                    max_tokens=64, eos_token_ids=frozenset())
 
 
-def compute(kv: KVCacheManager, req: Request, n: int,
+def compute(kv: KVCacheManager, req: Sequence, n: int,
             hits: list[int] | None = None) -> tuple[list[tuple[int, int]], int]:
     """Allocate room for n more tokens (taking prefix hits if given), mark them computed, register full blocks."""
     if hits:
@@ -35,32 +35,7 @@ def compute(kv: KVCacheManager, req: Request, n: int,
 
 
 def free_order(pool: BlockPool) -> list[int]:
-    return list(pool.free_queue)
-
-
-def check_pool_accounting(kv: KVCacheManager) -> None:
-    """Every invariant the pool and the manager's tables must keep, whatever happened before."""
-    pool = kv.pool
-    refs = [b.ref_cnt for b in pool.blocks]
-    assert all(r >= 0 for r in refs), refs
-    used = sum(1 for r in refs if r > 0)
-    assert pool.num_free + used == pool.num_blocks
-    free = set(pool.free_queue)
-    assert len(free) == pool.num_free
-    assert free == {b.block_id for b in pool.blocks if b.ref_cnt == 0}, "a block is both free and referenced"
-    owners = [0] * pool.num_blocks
-    for req_id, table in kv.tables.items():
-        assert len(set(table)) == len(table), f"{req_id} holds a block twice: {table}"
-        for bid in table:
-            owners[bid] += 1
-    assert owners == refs, "ref counts differ from the number of block tables holding each block"
-    for h, bid in pool.cached.items():
-        assert pool.blocks[bid].block_hash == h
-    host_owned = [h for table in kv.host_tables.values() for h in table]
-    assert len(host_owned) == len(set(host_owned)), "a host block is owned twice"
-    assert not set(host_owned) & set(kv.host_free), "a host block is both free and owned"
-    assert sorted(host_owned + kv.host_free) == list(range(kv.num_host_blocks))
-    assert not set(kv.tables) & set(kv.host_tables), "a sequence is both on device and swapped out"
+    return pool.free_block_ids()
 
 
 # ---- BlockPool -------------------------------------------------------------------------------------
@@ -72,7 +47,7 @@ def test_pool_needs_at_least_one_block() -> None:
 def test_allocate_takes_free_blocks_in_order_with_ref_count_one() -> None:
     pool = BlockPool(4)
     assert pool.allocate(2) == [0, 1]
-    assert [b.ref_cnt for b in pool.blocks] == [1, 1, 0, 0]
+    assert [pool.ref_count(b) for b in range(pool.num_blocks)] == [1, 1, 0, 0]
     assert pool.num_free == 2
     assert pool.usage == pytest.approx(0.5)
 
@@ -83,18 +58,18 @@ def test_allocate_more_than_free_raises_and_changes_nothing() -> None:
     with pytest.raises(MemoryError, match="asked for 2 blocks, 1 free"):
         pool.allocate(2)
     assert pool.num_free == 1
-    assert [b.ref_cnt for b in pool.blocks] == [1, 1, 0]
+    assert [pool.ref_count(b) for b in range(pool.num_blocks)] == [1, 1, 0]
 
 
 def test_free_returns_block_and_double_free_raises() -> None:
     pool = BlockPool(2)
     (bid,) = pool.allocate(1)
     pool.free([bid])
-    assert pool.blocks[bid].ref_cnt == 0
+    assert pool.ref_count(bid) == 0
     assert pool.num_free == 2
     with pytest.raises(RuntimeError, match="freed more often"):
         pool.free([bid])
-    assert pool.blocks[bid].ref_cnt == 0
+    assert pool.ref_count(bid) == 0
     with pytest.raises(RuntimeError):
         pool.free([1])  # never allocated
 
@@ -103,12 +78,12 @@ def test_incref_shares_a_block_until_every_reference_is_dropped() -> None:
     pool = BlockPool(2)
     (bid,) = pool.allocate(1)
     pool.incref([bid])
-    assert pool.blocks[bid].ref_cnt == 2
+    assert pool.ref_count(bid) == 2
     pool.free([bid])
-    assert pool.blocks[bid].ref_cnt == 1
-    assert bid not in pool.free_queue
+    assert pool.ref_count(bid) == 1
+    assert not pool.is_free(bid)
     pool.free([bid])
-    assert bid in pool.free_queue
+    assert pool.is_free(bid)
 
 
 def test_freed_cached_block_stays_findable_until_reallocated() -> None:
@@ -117,12 +92,12 @@ def test_freed_cached_block_stays_findable_until_reallocated() -> None:
     pool.cache_block(bid, 1234)
     pool.free([bid])
     assert pool.lookup(1234) == bid
-    assert pool.blocks[bid].block_hash == 1234
+    assert pool.block_hash(bid) == 1234
     pool.allocate(1)                   # takes the never-used block first (it was freed earlier)
     assert pool.lookup(1234) == bid
     assert pool.allocate(1) == [bid]   # now the cached block is evicted
     assert pool.lookup(1234) is None
-    assert pool.blocks[bid].block_hash is None
+    assert pool.block_hash(bid) is None
 
 
 def test_eviction_takes_least_recently_freed_block_first() -> None:
@@ -147,7 +122,7 @@ def test_prefix_hit_revives_a_free_block_and_refreeing_moves_it_to_the_back() ->
         pool.cache_block(bid, 100 + bid)
     pool.free([0, 1, 2])
     pool.incref([pool.lookup(100)])      # a prefix hit takes block 0 out of the free queue
-    assert pool.blocks[0].ref_cnt == 1
+    assert pool.ref_count(0) == 1
     assert free_order(pool) == [1, 2]
     pool.free([0])                       # most recently freed: evicted last
     assert free_order(pool) == [1, 2, 0]
@@ -162,7 +137,7 @@ def test_cache_block_first_writer_wins_and_evicting_a_duplicate_keeps_the_origin
     pool.cache_block(b, 7)               # same content computed twice
     assert pool.lookup(7) == a
     pool.cache_block(a, 8)               # an already hashed block keeps its hash
-    assert pool.blocks[a].block_hash == 7
+    assert pool.block_hash(a) == 7
     pool.free([b])
     pool.allocate(1)                     # block 2 (freed at start)
     assert pool.allocate(1) == [b]       # evicting the duplicate must not drop the original's entry
@@ -175,7 +150,7 @@ def test_pool_without_caching_never_finds_anything() -> None:
     pool.cache_block(bid, 5)
     assert pool.lookup(5) is None
     pool.free([bid])
-    assert pool.blocks[bid].block_hash is None
+    assert pool.block_hash(bid) is None
 
 
 def test_reset_prefix_cache_forgets_every_hash() -> None:
@@ -184,7 +159,7 @@ def test_reset_prefix_cache_forgets_every_hash() -> None:
     pool.cache_block(bid, 5)
     pool.reset_prefix_cache()
     assert pool.lookup(5) is None
-    assert pool.blocks[bid].block_hash is None
+    assert pool.block_hash(bid) is None
 
 
 # ---- KVCacheManager: allocation and freeing --------------------------------------------------------
@@ -200,18 +175,18 @@ def test_allocate_slots_grows_the_table_one_block_per_block_size_tokens() -> Non
     req.output_token_ids += [52]
     assert compute(kv, req, 1) == ([], 3)          # position 12 opens block 3
     assert kv.table("a") == [0, 1, 2, 3]
-    check_pool_accounting(kv)
+    kv.check_invariants()
 
 
 def test_allocate_slots_returns_none_when_the_pool_is_too_small() -> None:
     kv = KVCacheManager(num_blocks=2, block_size=4)
     req = make_req("a", list(range(12)))
     assert kv.allocate_slots(req, 12) is None
-    assert "a" not in kv.tables                    # no empty table left behind
+    assert "a" not in kv.on_device()                    # no empty table left behind
     assert kv.num_free_blocks == 2
     assert kv.allocate_slots(req, 8) is not None   # a chunk that fits
     assert kv.allocate_slots(make_req("b", [1]), 1) is None
-    check_pool_accounting(kv)
+    kv.check_invariants()
 
 
 def test_free_returns_a_sequence_tail_first_so_its_tail_is_evicted_first() -> None:
@@ -229,7 +204,7 @@ def test_free_returns_a_sequence_tail_first_so_its_tail_is_evicted_first() -> No
     compute(kv, make_req("d", [60, 61]), 2)
     assert kv.get_computed_blocks(b) == [0]
     kv.free(a)                                     # freeing an already freed sequence is a no-op
-    check_pool_accounting(kv)
+    kv.check_invariants()
 
 
 # ---- KVCacheManager: prefix caching ------------------------------------------------------------------
@@ -245,15 +220,15 @@ def test_identical_prefix_hits_all_full_blocks_and_shares_them() -> None:
     assert b.num_computed_tokens == 13
     assert kv.table("b")[:3] == kv.table("a")[:3]
     assert kv.table("b")[3] != kv.table("a")[3]
-    assert [kv.pool.blocks[i].ref_cnt for i in kv.table("a")] == [2, 2, 2, 1]
-    check_pool_accounting(kv)
+    assert [kv.pool.ref_count(i) for i in kv.table("a")] == [2, 2, 2, 1]
+    kv.check_invariants()
 
 
 def test_full_prompt_cache_hit_still_leaves_the_last_token_to_compute() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=4)
     prompt = list(range(8))                        # exactly two full blocks
     compute(kv, make_req("a", prompt), 8)
-    assert len(kv.pool.cached) == 2
+    assert len(kv.pool.cached_block_ids()) == 2
     b = make_req("b", prompt)
     hits = kv.get_computed_blocks(b)
     assert len(hits) == 1                          # the block holding the last token is never a hit
@@ -288,16 +263,16 @@ def test_prefix_hits_on_freed_blocks_revive_them_and_count_against_free_space() 
     assert len(hits) == 2
     b.num_computed_tokens = 8
     assert kv.allocate_slots(b, 9, hits) is None      # the revived hits need room too
-    assert "b" not in kv.tables and kv.num_free_blocks == 4
-    assert all(kv.pool.blocks[h].ref_cnt == 0 for h in hits)
+    assert "b" not in kv.on_device() and kv.num_free_blocks == 4
+    assert all(kv.pool.ref_count(h) == 0 for h in hits)
     b.num_computed_tokens = 0
     c = make_req("c", prompt + [50, 51, 52])          # 12 tokens: 2 hits + 1 new
     hits = kv.get_computed_blocks(c)
     compute(kv, c, 4, hits)
     assert kv.table("c")[:2] == hits
-    assert [kv.pool.blocks[h].ref_cnt for h in hits] == [1, 1]
+    assert [kv.pool.ref_count(h) for h in hits] == [1, 1]
     assert kv.num_free_blocks == 1
-    check_pool_accounting(kv)
+    kv.check_invariants()
 
 
 def test_no_prefix_hits_when_caching_is_disabled_or_prompt_logprobs_are_asked() -> None:
@@ -315,13 +290,13 @@ def test_only_full_computed_blocks_are_registered() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
     a = make_req("a", list(range(11)))
     compute(kv, a, 6)                               # chunked prefill: block 1 half written
-    assert set(kv.pool.cached.values()) == {kv.table("a")[0]}
+    assert kv.pool.cached_block_ids() == {kv.table("a")[0]}
     compute(kv, a, 5)
-    assert set(kv.pool.cached.values()) == set(kv.table("a")[:2])
+    assert kv.pool.cached_block_ids() == set(kv.table("a")[:2])
 
 
 # ---- KVCacheManager: fork and copy-on-write ------------------------------------------------------------
-def fork_after_prefill(kv: KVCacheManager, prompt_len: int) -> tuple[Request, Request]:
+def fork_after_prefill(kv: KVCacheManager, prompt_len: int) -> tuple[Sequence, Sequence]:
     """A parent whose prompt is computed and first token sampled, and the sibling forked from it, which
     recomputes the last prompt token to sample its own."""
     parent = make_req("p", list(range(prompt_len)))
@@ -338,19 +313,19 @@ def test_fork_shares_every_block_and_copies_on_the_first_write() -> None:
     parent, child = fork_after_prefill(kv, 6)
     b0, b1 = kv.table("p")
     assert kv.table("p#1") == [b0, b1]
-    assert kv.pool.blocks[b0].ref_cnt == kv.pool.blocks[b1].ref_cnt == 2
-    check_pool_accounting(kv)
+    assert kv.pool.ref_count(b0) == kv.pool.ref_count(b1) == 2
+    kv.check_invariants()
 
     copies, first = kv.allocate_slots(child, 1)    # writes position 5, inside shared block 1
     (src, dst), = copies
     assert src == b1 and first == 1
     assert kv.table("p#1") == [b0, dst]
-    assert kv.pool.blocks[b1].ref_cnt == 1 and kv.pool.blocks[dst].ref_cnt == 1
-    assert kv.pool.blocks[b0].ref_cnt == 2           # the untouched block stays shared
+    assert kv.pool.ref_count(b1) == 1 and kv.pool.ref_count(dst) == 1
+    assert kv.pool.ref_count(b0) == 2           # the untouched block stays shared
 
     assert kv.allocate_slots(parent, 1) == ([], 2)   # block 1 is the parent's alone now: no copy
     assert kv.table("p") == [b0, b1]
-    check_pool_accounting(kv)
+    kv.check_invariants()
     kv.free(child)
     kv.free(parent)
     assert kv.num_free_blocks == 8
@@ -362,9 +337,9 @@ def test_copy_on_write_of_a_full_cached_block_is_reregistered_without_stealing_t
     (src, dst), = kv.allocate_slots(child, 1)[0]
     child.num_computed_tokens = 8
     kv.cache_full_blocks(child)
-    assert kv.pool.blocks[dst].block_hash == kv.pool.blocks[src].block_hash
-    assert kv.pool.lookup(kv.pool.blocks[src].block_hash) == src
-    check_pool_accounting(kv)
+    assert kv.pool.block_hash(dst) == kv.pool.block_hash(src)
+    assert kv.pool.lookup(kv.pool.block_hash(src)) == src
+    kv.check_invariants()
 
 
 def test_copy_on_write_fails_cleanly_without_a_free_block() -> None:
@@ -377,7 +352,7 @@ def test_copy_on_write_fails_cleanly_without_a_free_block() -> None:
     before = list(kv.table("p#1"))
     assert kv.allocate_slots(child, 1) is None
     assert kv.table("p#1") == before
-    check_pool_accounting(kv)
+    kv.check_invariants()
 
 
 # ---- KVCacheManager: swapping ------------------------------------------------------------------------
@@ -390,20 +365,20 @@ def test_swap_out_and_in_bookkeeping() -> None:
     pairs = kv.swap_out(req)
     assert [d for d, _ in pairs] == dev
     host = [h for _, h in pairs]
-    assert kv.host_tables["a"] == host and len(set(host)) == 2
-    assert "a" not in kv.tables
-    assert kv.num_free_blocks == 6 and len(kv.host_free) == 1
-    check_pool_accounting(kv)
+    assert kv.host_table("a") == host and len(set(host)) == 2
+    assert "a" not in kv.on_device()
+    assert kv.num_free_blocks == 6 and kv.num_free_host_blocks == 1
+    kv.check_invariants()
 
     assert kv.can_swap_in(req, 1)
     back = kv.swap_in(req)
     assert [h for h, _ in back] == host            # host blocks come back in table order
     assert kv.table("a") == [d for _, d in back]
-    assert "a" not in kv.host_tables and len(kv.host_free) == 3
+    assert "a" not in kv.swapped_out() and kv.num_free_host_blocks == 3
     assert kv.num_free_blocks == 4
     req.output_token_ids.append(1)
     assert kv.allocate_slots(req, 1) == ([], 2)    # position 7 still fits block 1
-    check_pool_accounting(kv)
+    kv.check_invariants()
 
 
 def test_swap_needs_room_on_both_sides() -> None:
@@ -428,10 +403,10 @@ def test_freeing_a_swapped_sequence_returns_its_host_blocks() -> None:
     req = make_req("a", list(range(9)))
     compute(kv, req, 9)
     kv.swap_out(req)
-    assert len(kv.host_free) == 1
+    assert kv.num_free_host_blocks == 1
     kv.free(req)
-    assert sorted(kv.host_free) == [0, 1, 2, 3] and kv.num_free_blocks == 4
-    check_pool_accounting(kv)
+    assert kv.num_free_host_blocks == 4 and kv.num_free_blocks == 4
+    kv.check_invariants()
 
 
 def test_swapping_out_a_forked_child_leaves_the_parent_blocks_alone() -> None:
@@ -443,10 +418,10 @@ def test_swapping_out_a_forked_child_leaves_the_parent_blocks_alone() -> None:
     kv.fork(parent, child)
     pairs = kv.swap_out(child)
     assert [d for d, _ in pairs] == kv.table("p")
-    assert all(kv.pool.blocks[b].ref_cnt == 1 for b in kv.table("p"))
+    assert all(kv.pool.ref_count(b) == 1 for b in kv.table("p"))
     back = kv.swap_in(child)
     assert not set(d for _, d in back) & set(kv.table("p"))   # the child comes back with its own blocks
-    check_pool_accounting(kv)
+    kv.check_invariants()
 
 
 # ---- property tests -------------------------------------------------------------------------------
@@ -456,7 +431,7 @@ PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [7, 7, 7, 7, 7, 
 
 @dataclass
 class Seq:
-    req: Request
+    req: Sequence
     state: str = "waiting"                 # waiting | running | swapped
     children: int = 0
 
@@ -486,18 +461,18 @@ class KVCacheMachine(RuleBasedStateMachine):
         cands = [s for s in self.seqs if s.state == state]
         return cands[i % len(cands)] if cands else None
 
-    def _write(self, req: Request, start: int, n: int) -> None:
-        table = self.kv.table(req.req_id)
+    def _write(self, req: Sequence, start: int, n: int) -> None:
+        table = self.kv.table(req.seq_id)
         tokens = req.all_token_ids
         for pos in range(start, start + n):
             self.dev.setdefault(table[pos // BS], {})[pos % BS] = (pos, tokens[pos])
 
-    def _check_reads(self, req: Request) -> None:
-        table = self.kv.table(req.req_id)
+    def _check_reads(self, req: Sequence) -> None:
+        table = self.kv.table(req.seq_id)
         tokens = req.all_token_ids
         for pos in range(req.num_computed_tokens):
             got = self.dev.get(table[pos // BS], {}).get(pos % BS)
-            assert got == (pos, tokens[pos]), f"{req.req_id} reads {got} at position {pos}"
+            assert got == (pos, tokens[pos]), f"{req.seq_id} reads {got} at position {pos}"
 
     def _run(self, seq: Seq, n: int, hits: list[int] | None = None) -> bool:
         """Allocate and compute n tokens of seq; sample one if it reaches its end. False if no room."""
@@ -566,7 +541,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         # like the scheduler's n > 1 fork: the child holds the parent's computed tokens and recomputes the
         # last one to sample its own continuation
         tokens = parent.req.all_token_ids[:parent.req.num_computed_tokens]
-        child = make_req(f"{parent.req.req_id}#{parent.children}", tokens)
+        child = make_req(f"{parent.req.seq_id}#{parent.children}", tokens)
         child.num_computed_tokens = len(tokens) - 1
         self.kv.fork(parent.req, child)
         self.seqs.append(Seq(child, "running"))
@@ -617,19 +592,18 @@ class KVCacheMachine(RuleBasedStateMachine):
     # -- checks --
     @invariant()
     def accounting_holds(self) -> None:
-        check_pool_accounting(self.kv)
-        on_device = {s.req.req_id for s in self.seqs if s.state == "running"}
-        assert set(self.kv.tables) == on_device
-        assert set(self.kv.host_tables) == {s.req.req_id for s in self.seqs if s.state == "swapped"}
+        self.kv.check_invariants()
+        on_device = {s.req.seq_id for s in self.seqs if s.state == "running"}
+        assert self.kv.on_device() == on_device
+        assert self.kv.swapped_out() == {s.req.seq_id for s in self.seqs if s.state == "swapped"}
         for s in self.seqs:
             if s.state == "running":
-                assert len(self.kv.table(s.req.req_id)) >= cdiv(s.req.num_computed_tokens, BS)
+                assert len(self.kv.table(s.req.seq_id)) >= cdiv(s.req.num_computed_tokens, BS)
                 self._check_reads(s.req)
 
     @invariant()
     def cached_blocks_hold_what_their_hash_says(self) -> None:
-        for h, bid in self.kv.pool.cached.items():
-            assert self.kv.pool.blocks[bid].block_hash == h
+        for bid in self.kv.pool.cached_block_ids():   # (hash index consistency: check_invariants)
             assert len(self.dev.get(bid, {})) == BS, "a block was registered before it was full"
 
     def teardown(self) -> None:
@@ -637,11 +611,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         for seq in self.seqs:
             self.kv.free(seq.req)
-        check_pool_accounting(self.kv)
-        assert self.kv.num_free_blocks == self.kv.pool.num_blocks
-        assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks)
-        assert sorted(self.kv.host_free) == list(range(self.kv.num_host_blocks))
-        assert not self.kv.tables and not self.kv.host_tables
+        self.kv.check_all_free()
 
 
 KVCacheMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=60, deadline=None,

@@ -7,14 +7,13 @@ token outside it, and with moderately flat logits every kept token shows up).
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from common.sampling_params import SamplingParams
-from gpu_worker.model_runner import ModelRunner, RequestState
-from gpu_worker.sampler import SamplingBatch, apply_penalties, prompt_logprobs, sample
+from gpu_worker.sampler import SamplingBatch, apply_penalties, build_sampling_batch, prompt_logprobs, sample
+from gpu_worker.step_inputs import SequenceState
 
 VOCAB = 64
 NEG_INF = float("-inf")
@@ -422,18 +421,14 @@ def test_unseeded_rows_vary_between_calls() -> None:
     assert len(draws) > 3
 
 
-# ---- batch construction in the model runner ----------------------------------------------------------
-def fake_runner(eos: set[int]) -> SimpleNamespace:
-    return SimpleNamespace(device=torch.device("cpu"), eos_ids=eos)
-
-
-def state(params: SamplingParams, prompt: list[int], output: list[int], seed: int | None = None) -> RequestState:
+# ---- batch construction from the worker's sequence states -------------------------------------------
+def state(params: SamplingParams, prompt: list[int], output: list[int], seed: int | None = None) -> SequenceState:
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    return RequestState("r", prompt + output, len(prompt), params, [], len(prompt) + len(output), gen)
+    return SequenceState("r", prompt + output, len(prompt), params, [], len(prompt) + len(output), gen)
 
 
-def build(states: list[RequestState], eos: frozenset[int] = frozenset({2}), vocab: int = 20) -> SamplingBatch:
-    return ModelRunner._sampling_batch(fake_runner(set(eos)), states, vocab)
+def build(states: list[SequenceState], eos: frozenset[int] = frozenset({2}), vocab: int = 20) -> SamplingBatch:
+    return build_sampling_batch(states, vocab, set(eos), torch.device("cpu"))
 
 
 def test_sampling_batch_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:

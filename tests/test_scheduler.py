@@ -18,16 +18,16 @@ from hypothesis import strategies as st
 from common.protocol import EngineOutput, EngineRequest, ModelRunnerOutput, SchedulerOutput
 from common.sampling_params import SamplingParams
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.request import Status
+from scheduler.sequence import Status
 from scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
 
 EOS = 2
 SlotRecord = tuple[int, int]   # (position, token) written into one KV slot
 
 
-def default_token(req_id: str, position: int) -> int:
+def default_token(seq_id: str, position: int) -> int:
     """The fake model's deterministic sample for the token at `position`: never EOS or a small id."""
-    return 100 + zlib.crc32(f"{req_id}@{position}".encode()) % 900
+    return 100 + zlib.crc32(f"{seq_id}@{position}".encode()) % 900
 
 
 @dataclass
@@ -44,103 +44,87 @@ class FakeRunner:
     def __init__(self, scheduler: Scheduler, script: dict[str, list[int]] | None = None):
         self.scheduler = scheduler
         self.bs = scheduler.config.block_size
-        self.script = script or {}         # req_id -> tokens to sample, in order, before default_token
+        self.script = script or {}         # seq_id -> tokens to sample, in order, before default_token
         self.reqs: dict[str, WorkerState] = {}
         self.dev: dict[int, dict[int, SlotRecord]] = {}
         self.host: dict[int, dict[int, SlotRecord]] = {}
         self.num_kv_checks = 0
 
-    def sample(self, req_id: str, st: WorkerState) -> int:
+    def sample(self, seq_id: str, st: WorkerState) -> int:
         k = len(st.token_ids) - st.num_prompt_tokens
-        scripted = self.script.get(req_id, [])
-        return scripted[k] if k < len(scripted) else default_token(req_id, len(st.token_ids))
+        scripted = self.script.get(seq_id, [])
+        return scripted[k] if k < len(scripted) else default_token(seq_id, len(st.token_ids))
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        for req_id in sched.finished_req_ids:
-            self.reqs.pop(req_id, None)
+        for seq_id in sched.finished_seq_ids:
+            self.reqs.pop(seq_id, None)
         for d, h in sched.blocks_to_swap_out:
             self.host[h] = dict(self.dev.get(d, {}))
         for s, d in sched.blocks_to_copy:
             self.dev[d] = dict(self.dev.get(s, {}))
         for h, d in sched.blocks_to_swap_in:
             self.dev[d] = dict(self.host.get(h, {}))
-        for r in sched.new_reqs:
-            assert r.req_id not in self.reqs, f"{r.req_id} sent as new while the worker holds it"
+        for r in sched.new_seqs:
+            assert r.seq_id not in self.reqs, f"{r.seq_id} sent as new while the worker holds it"
             assert r.num_prompt_tokens <= len(r.token_ids)
-            self.reqs[r.req_id] = WorkerState(list(r.token_ids), r.num_prompt_tokens, list(r.block_ids),
+            self.reqs[r.seq_id] = WorkerState(list(r.token_ids), r.num_prompt_tokens, list(r.block_ids),
                                               r.num_computed_tokens)
-        for r in sched.cached_reqs:
-            st = self.reqs[r.req_id]
-            assert st.num_computed_tokens == r.num_computed_tokens, f"{r.req_id}: worker and scheduler disagree"
+        for r in sched.cached_seqs:
+            st = self.reqs[r.seq_id]
+            assert st.num_computed_tokens == r.num_computed_tokens, f"{r.seq_id}: worker and scheduler disagree"
             assert 0 <= r.blocks_from <= len(st.block_ids)
             del st.block_ids[r.blocks_from:]
             st.block_ids.extend(r.block_ids)
 
-        scheduled = [(r.req_id, r.num_new_tokens) for r in sched.new_reqs + sched.cached_reqs]
+        scheduled = [(r.seq_id, r.num_new_tokens) for r in sched.new_seqs + sched.cached_seqs]
         assert len({rid for rid, _ in scheduled}) == len(scheduled), "a request scheduled twice in one step"
-        for req_id, n in scheduled:
-            st = self.reqs[req_id]
-            assert st.block_ids == self.scheduler.kv.table(req_id), f"{req_id}: worker block table is stale"
+        for seq_id, n in scheduled:
+            st = self.reqs[seq_id]
+            assert st.block_ids == self.scheduler.kv.table(seq_id), f"{seq_id}: worker block table is stale"
             assert n >= 1 and st.num_computed_tokens + n <= len(st.token_ids)
-            assert len(st.block_ids) * self.bs >= st.num_computed_tokens + n, f"{req_id}: no slot to write"
+            assert len(st.block_ids) * self.bs >= st.num_computed_tokens + n, f"{seq_id}: no slot to write"
 
         # Like every attention layer: the whole step's K/V is written first, then each request reads its
         # context and its new tokens back (a request may hit blocks another one fills in this same step).
-        for req_id, n in scheduled:
-            st = self.reqs[req_id]
+        for seq_id, n in scheduled:
+            st = self.reqs[seq_id]
             for pos in range(st.num_computed_tokens, st.num_computed_tokens + n):
                 self.dev.setdefault(st.block_ids[pos // self.bs], {})[pos % self.bs] = (pos, st.token_ids[pos])
-        for req_id, n in scheduled:
-            self.check_context(req_id, self.reqs[req_id], self.reqs[req_id].num_computed_tokens + n)
+        for seq_id, n in scheduled:
+            self.check_context(seq_id, self.reqs[seq_id], self.reqs[seq_id].num_computed_tokens + n)
 
         out = ModelRunnerOutput(step_id=sched.step_id)
-        for req_id, n in scheduled:
-            st = self.reqs[req_id]
+        for seq_id, n in scheduled:
+            st = self.reqs[seq_id]
             st.num_computed_tokens += n
             if st.num_computed_tokens == len(st.token_ids):
-                tok = self.sample(req_id, st)
+                tok = self.sample(seq_id, st)
                 st.token_ids.append(tok)
-                out.req_ids.append(req_id)
+                out.seq_ids.append(seq_id)
                 out.sampled_token_ids.append([tok])
         return out
 
-    def check_context(self, req_id: str, st: WorkerState, end: int) -> None:
+    def check_context(self, seq_id: str, st: WorkerState, end: int) -> None:
         """Every position the request attends to (its context and this step's tokens) holds its own token."""
         for pos in range(end):
             got = self.dev.get(st.block_ids[pos // self.bs], {}).get(pos % self.bs)
             assert got == (pos, st.token_ids[pos]), \
-                f"{req_id}: KV at position {pos} holds {got}, expected {(pos, st.token_ids[pos])}"
+                f"{seq_id}: KV at position {pos} holds {got}, expected {(pos, st.token_ids[pos])}"
         self.num_kv_checks += 1
 
 
-def check_block_accounting(kv: KVCacheManager) -> None:
-    pool = kv.pool
-    refs = [b.ref_cnt for b in pool.blocks]
-    assert min(refs) >= 0
-    assert pool.num_free + sum(1 for r in refs if r > 0) == pool.num_blocks
-    assert set(pool.free_queue) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
-    owners = [0] * pool.num_blocks
-    for table in kv.tables.values():
-        assert len(set(table)) == len(table)
-        for bid in table:
-            owners[bid] += 1
-    assert owners == refs, "ref counts differ from the number of block tables holding each block"
-    host = [h for t in kv.host_tables.values() for h in t]
-    assert len(host) == len(set(host)) and not set(host) & set(kv.host_free)
-    assert sorted(host + kv.host_free) == list(range(kv.num_host_blocks))
-
-
 def check_scheduler_state(s: Scheduler) -> None:
-    check_block_accounting(s.kv)
+    s.kv.check_invariants()
+    on_device, swapped_out = s.kv.on_device(), s.kv.swapped_out()
     for r in s.running:
-        assert r.status is Status.RUNNING and r.req_id in s.kv.tables
+        assert r.status is Status.RUNNING and r.seq_id in on_device
     for r in s.swapped:
-        assert r.status is Status.SWAPPED and r.req_id in s.kv.host_tables and r.req_id not in s.kv.tables
+        assert r.status is Status.SWAPPED and r.seq_id in swapped_out and r.seq_id not in on_device
     for r in s.waiting:
-        assert r.status is Status.WAITING and r.req_id not in s.kv.tables and r.req_id not in s.kv.host_tables
-    live = [r.req_id for r in list(s.running) + list(s.swapped) + list(s.waiting)]
+        assert r.status is Status.WAITING and r.seq_id not in on_device and r.seq_id not in swapped_out
+    live = [r.seq_id for r in list(s.running) + list(s.swapped) + list(s.waiting)]
     assert len(live) == len(set(live))
-    assert set(s.kv.tables) <= set(live) and set(s.kv.host_tables) <= set(live)
+    assert on_device <= set(live) and swapped_out <= set(live)
     assert len(s.running) <= s.config.max_num_seqs
 
 
@@ -183,7 +167,7 @@ class Harness:
         sched = self.sched.schedule()
         c = self.sched.config
         assert sched.total_num_tokens <= c.max_num_batched_tokens
-        assert len(sched.new_reqs) + len(sched.cached_reqs) <= c.max_num_seqs
+        assert len(sched.new_seqs) + len(sched.cached_seqs) <= c.max_num_seqs
         self.steps.append(sched)
         self.inflight.append((sched, self.runner.execute(sched)))
         while len(self.inflight) > self.in_flight_after_step:
@@ -213,12 +197,8 @@ class Harness:
         return self.results
 
     def assert_all_free(self) -> None:
-        kv = self.sched.kv
-        assert kv.num_free_blocks == kv.pool.num_blocks
-        assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
-        assert sorted(kv.host_free) == list(range(kv.num_host_blocks))
-        assert not kv.tables and not kv.host_tables
-        assert not self.sched.requests and not self.sched.groups
+        self.sched.kv.check_all_free()
+        assert not self.sched.has_unfinished() and self.sched.num_unfinished_requests == 0
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -226,11 +206,11 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def scheduled_tokens(sched: SchedulerOutput) -> dict[str, int]:
-    return {r.req_id: r.num_new_tokens for r in sched.new_reqs + sched.cached_reqs}
+    return {r.seq_id: r.num_new_tokens for r in sched.new_seqs + sched.cached_seqs}
 
 
-def expected_tokens(req_id: str, prompt_len: int, n: int) -> list[int]:
-    return [default_token(req_id, prompt_len + k) for k in range(n)]
+def expected_tokens(seq_id: str, prompt_len: int, n: int) -> list[int]:
+    return [default_token(seq_id, prompt_len + k) for k in range(n)]
 
 
 # ---- budget and ordering ---------------------------------------------------------------------------
@@ -256,11 +236,11 @@ def test_running_requests_are_served_before_waiting_ones() -> None:
     assert scheduled_tokens(h.step()) == {"a": 4}
     h.add("b", prompt(1, 6), max_tokens=2)
     assert scheduled_tokens(h.step()) == {"a": 4}            # the running chunk takes the whole budget
-    assert [r.req_id for r in h.sched.waiting] == ["b"]
+    assert [r.seq_id for r in h.sched.waiting] == ["b"]
     assert scheduled_tokens(h.step()) == {"a": 4}
     s = h.step()                                             # a decodes, b gets what is left
     assert scheduled_tokens(s) == {"a": 1, "b": 3}
-    assert [r.req_id for r in s.cached_reqs] == ["a"] and [r.req_id for r in s.new_reqs] == ["b"]
+    assert [r.seq_id for r in s.cached_seqs] == ["a"] and [r.seq_id for r in s.new_seqs] == ["b"]
     results = h.run()
     assert results[("a", 0)].tokens == expected_tokens("a", 12, 3)
     assert results[("b", 0)].tokens == expected_tokens("b", 6, 2)
@@ -291,13 +271,13 @@ def test_mixed_prefill_and_decode_in_one_step() -> None:
     h.step()
     h.add("b", prompt(1, 9), max_tokens=4)
     s = h.step()
-    assert [(r.req_id, r.num_new_tokens, r.num_computed_tokens) for r in s.cached_reqs] == [("a", 1, 7)]
-    assert [(r.req_id, r.num_new_tokens, r.num_computed_tokens) for r in s.new_reqs] == [("b", 9, 0)]
-    assert s.new_reqs[0].token_ids == prompt(1, 9) and len(s.new_reqs[0].block_ids) == 3
-    assert s.cached_reqs[0].blocks_from == 2 and len(s.cached_reqs[0].block_ids) == 0   # position 7 fits block 1
+    assert [(r.seq_id, r.num_new_tokens, r.num_computed_tokens) for r in s.cached_seqs] == [("a", 1, 7)]
+    assert [(r.seq_id, r.num_new_tokens, r.num_computed_tokens) for r in s.new_seqs] == [("b", 9, 0)]
+    assert s.new_seqs[0].token_ids == prompt(1, 9) and len(s.new_seqs[0].block_ids) == 3
+    assert s.cached_seqs[0].blocks_from == 2 and len(s.cached_seqs[0].block_ids) == 0   # position 7 fits block 1
     s = h.step()
-    assert s.cached_reqs[0].req_id == "a" and s.cached_reqs[0].blocks_from == 2
-    assert len(s.cached_reqs[0].block_ids) == 1              # position 8 opens block 2
+    assert s.cached_seqs[0].seq_id == "a" and s.cached_seqs[0].blocks_from == 2
+    assert len(s.cached_seqs[0].block_ids) == 1              # position 8 opens block 2
     h.run()
 
 
@@ -313,7 +293,7 @@ def reference_outputs(requests: list[tuple[str, list[int], dict]]) -> dict[tuple
 def grow_until_preempted(h: Harness) -> SchedulerOutput:
     for _ in range(200):
         s = h.step()
-        if s.finished_req_ids and h.sched.stats.num_preemptions:
+        if s.finished_seq_ids and h.sched.stats.num_preemptions:
             return s
     raise AssertionError("no preemption happened")
 
@@ -326,11 +306,11 @@ def test_preemption_by_recompute_takes_the_newest_running_request() -> None:
     for rid, p, sp in PREEMPT_WORKLOAD:
         h.add(rid, p, **sp)
     s = grow_until_preempted(h)
-    assert s.finished_req_ids == ["r2"]                      # newest running one goes first
+    assert s.finished_seq_ids == ["r2"]                      # newest running one goes first
     assert not s.blocks_to_swap_out
-    (victim,) = [r for r in h.sched.waiting if r.req_id == "r2"]
+    (victim,) = [r for r in h.sched.waiting if r.seq_id == "r2"]
     assert victim.num_computed_tokens == 0 and victim.num_preemptions == 1
-    assert "r2" not in h.sched.kv.tables
+    assert "r2" not in h.sched.kv.on_device()
     assert h.sched.waiting[0] is victim                      # it goes back to the front of the queue
     stats = h.sched.stats
     assert stats.num_recompute_preemptions == stats.num_preemptions >= 1
@@ -345,18 +325,18 @@ def test_preemption_by_swap_when_host_blocks_allow() -> None:
     for rid, p, sp in PREEMPT_WORKLOAD:
         h.add(rid, p, **sp)
     s = grow_until_preempted(h)
-    assert s.finished_req_ids == ["r2"]
+    assert s.finished_seq_ids == ["r2"]
     victim = h.sched.swapped[0]
-    assert victim.req_id == "r2" and victim.status is Status.SWAPPED
+    assert victim.seq_id == "r2" and victim.status is Status.SWAPPED
     assert victim.num_computed_tokens > 0                    # its progress is kept on the host
-    assert len(s.blocks_to_swap_out) == len(h.sched.kv.host_tables["r2"])
+    assert len(s.blocks_to_swap_out) == len(h.sched.kv.host_table("r2"))
     stats = h.sched.stats
     assert stats.num_swap_preemptions == stats.num_preemptions >= 1
     assert stats.num_recompute_preemptions == 0
     results = h.run()
     swap_ins = [s for s in h.steps if s.blocks_to_swap_in]
     assert swap_ins, "the swapped request never came back"
-    assert any(r.req_id == "r2" for r in swap_ins[0].new_reqs)   # resent in full after the swap-in
+    assert any(r.seq_id == "r2" for r in swap_ins[0].new_seqs)   # resent in full after the swap-in
     assert results == reference_outputs(PREEMPT_WORKLOAD)
     assert h.runner.num_kv_checks > 0
 
@@ -393,8 +373,8 @@ def test_request_that_can_never_fit_is_rejected_with_both_numbers() -> None:
     assert "5 KV blocks" in msg and "only 4 blocks" in msg
     assert exc.value.code == 400 and exc.value.param == "max_tokens"
     s.add_request(EngineRequest("fits", list(range(10)), SamplingParams(max_tokens=6)))   # exactly 4 blocks
-    assert [r.req_id for r in s.waiting] == ["fits"]
-    assert "big" not in s.groups
+    assert [r.seq_id for r in s.waiting] == ["fits"]
+    assert s.group("big") is None
 
 
 def test_prompt_at_or_over_max_model_len_is_rejected() -> None:
@@ -409,7 +389,7 @@ def test_prompt_at_or_over_max_model_len_is_rejected() -> None:
     with pytest.raises(RequestRejected):
         s.add_request(EngineRequest("empty", [], SamplingParams()))
     s.add_request(EngineRequest("ok", list(range(31)), SamplingParams(max_tokens=None)))
-    assert s.requests["ok"].max_tokens == 1
+    assert s.group("ok").parent.max_tokens == 1
     with pytest.raises(RequestRejected, match="already in use"):
         s.add_request(EngineRequest("ok", [1], SamplingParams()))
     assert not s.running and len(s.waiting) == 1
@@ -437,7 +417,7 @@ def test_unforked_choices_count_against_max_num_seqs() -> None:
     for _ in range(3):                                       # n's chunked prefill: x must not sneak in
         s = h.step()
         assert "x" not in scheduled_tokens(s)
-    assert len(h.sched.running) == 3 and [r.req_id for r in h.sched.waiting] == ["x"]
+    assert len(h.sched.running) == 3 and [r.seq_id for r in h.sched.waiting] == ["x"]
     results = h.run()
     assert results[("x", 0)].tokens == expected_tokens("x", 3, 2)
     assert results[("n", 2)].tokens == expected_tokens("n#2", 10, 4)
@@ -457,22 +437,22 @@ def test_abort_frees_blocks_of_waiting_running_swapped_and_forked_requests_immed
     h = Harness(max_num_batched_tokens=64, block_size=4, num_blocks=16, num_host_blocks=16)
     h.add("n3", prompt(0, 6), max_tokens=40, n=3)
     h.step()
-    assert all(h.sched.groups["n3"])                         # forked after its prefill
+    assert not h.sched.group("n3").unborn                    # forked after its prefill
     for i in range(3):
         h.add(f"r{i}", prompt(i + 1, 6), max_tokens=40)
     for _ in range(30):
         if h.sched.swapped:
             break
         h.step()
-    assert [r.req_id for r in h.sched.swapped] == ["r2"]    # the newest running request was swapped out
+    assert [r.seq_id for r in h.sched.swapped] == ["r2"]    # the newest running request was swapped out
     assert h.sched.stats.num_swap_preemptions == 1
     h.add("w", prompt(9, 5), max_tokens=4)
     h.step()
-    assert [r.req_id for r in h.sched.waiting] == ["w"]     # nothing is admitted while a request is swapped
-    running = [r.req_id for r in h.sched.running]
+    assert [r.seq_id for r in h.sched.waiting] == ["w"]     # nothing is admitted while a request is swapped
+    running = [r.seq_id for r in h.sched.running]
     assert running[:4] == ["n3", "n3#1", "n3#2", "r0"]
-    assert h.sched.swapped[0].req_id == "r2"
-    assert h.sched.kv.num_free_blocks < 16 and len(h.sched.kv.host_free) < 16
+    assert h.sched.swapped[0].seq_id == "r2"
+    assert h.sched.kv.num_free_blocks < 16 and h.sched.kv.num_free_host_blocks < 16
 
     h.abort(["n3", "r0", "r1", "r2", "w", "unknown"])
     assert {k: r.finish_reason for k, r in h.results.items() if r.finish_reason} == {
@@ -481,7 +461,7 @@ def test_abort_frees_blocks_of_waiting_running_swapped_and_forked_requests_immed
     h.assert_all_free()                                      # at once, before the worker hears of it
     assert not h.sched.has_unfinished() and h.sched.stats.finished == {"abort": 7}
     s = h.step()
-    assert sorted(s.finished_req_ids) == sorted(running)     # r2 and w are not on the worker any more
+    assert sorted(s.finished_seq_ids) == sorted(running)     # r2 and w are not on the worker any more
     assert not h.runner.reqs
     h.abort(["n3"])                                          # aborting a finished request is a no-op
     assert h.sched.stats.finished == {"abort": 7}
@@ -492,10 +472,10 @@ def test_abort_of_a_waiting_request_never_reaches_the_worker() -> None:
     h.add("a", prompt(0, 8), max_tokens=2)
     h.add("b", prompt(1, 8), max_tokens=2)
     h.abort(["b"])
-    assert [r.req_id for r in h.sched.waiting] == ["a"]
+    assert [r.seq_id for r in h.sched.waiting] == ["a"]
     assert h.results[("b", 0)].finish_reason == "abort"
     s = h.step()
-    assert "b" not in s.finished_req_ids and "b" not in scheduled_tokens(s)
+    assert "b" not in s.finished_seq_ids and "b" not in scheduled_tokens(s)
     h.run()
 
 
@@ -514,14 +494,14 @@ def test_abort_of_an_unborn_choice_keeps_it_from_being_forked() -> None:
     h = Harness(max_num_batched_tokens=4, block_size=4, num_blocks=64)
     h.add("n", prompt(0, 6), max_tokens=3, n=3)
     h.step()                                                 # first prefill chunk: not forked yet
-    assert h.sched.groups["n"][1] is None
+    assert h.sched.group("n").unborn == {1, 2}
     h.abort(["n"], [1])
     assert h.results[("n", 1)].finish_reason == "abort"
     results = h.run()                                        # collect() fails on output after a finish
     assert results[("n", 1)].tokens == []
     assert results[("n", 0)].tokens == expected_tokens("n", 6, 3)
     assert results[("n", 2)].tokens == expected_tokens("n#2", 6, 3)
-    assert not any(r.req_id == "n#1" for step in h.steps for r in step.new_reqs)
+    assert not any(r.seq_id == "n#1" for step in h.steps for r in step.new_seqs)
 
 
 def test_abort_of_an_unforked_parent_reports_every_choice() -> None:
@@ -539,19 +519,19 @@ def test_forked_choices_share_prompt_blocks_and_copy_on_first_write() -> None:
     h = Harness(block_size=4, num_blocks=64)
     h.add("n", prompt(0, 10), max_tokens=5, n=3)
     first = h.step()
-    assert [r.req_id for r in first.new_reqs] == ["n"]       # one prefill for all three choices
+    assert [r.seq_id for r in first.new_seqs] == ["n"]       # one prefill for all three choices
     kv = h.sched.kv
     table = list(kv.table("n"))
     assert len(table) == 3
     assert kv.table("n#1") == table and kv.table("n#2") == table
-    assert [kv.pool.blocks[b].ref_cnt for b in table] == [3, 3, 3]
+    assert [kv.pool.ref_count(b) for b in table] == [3, 3, 3]
     s = h.step()
     assert s.blocks_to_copy, "writing into the shared partial block must copy it first"
     assert all(src == table[2] for src, _ in s.blocks_to_copy)
-    children = {r.req_id: r for r in s.new_reqs}
+    children = {r.seq_id: r for r in s.new_seqs}
     assert set(children) == {"n#1", "n#2"}
     assert all(r.num_computed_tokens == 9 and r.num_new_tokens == 1 for r in children.values())
-    assert [kv.pool.blocks[b].ref_cnt for b in table[:2]] == [3, 3]   # the full prompt blocks stay shared
+    assert [kv.pool.ref_count(b) for b in table[:2]] == [3, 3]   # the full prompt blocks stay shared
     tails = {kv.table(rid)[2] for rid in ("n", "n#1", "n#2")}
     assert len(tails) == 3                                    # one private copy of the partial block each
     results = h.run()
@@ -643,7 +623,7 @@ def test_identical_prompt_hits_every_full_block_only_with_prefix_caching(caching
     h.run()
     h.add("b", p, max_tokens=3)
     s = h.step()
-    (new,) = s.new_reqs
+    (new,) = s.new_seqs
     assert new.num_computed_tokens == (16 if caching else 0)
     assert new.num_new_tokens == 18 - new.num_computed_tokens
     results = h.run()
@@ -662,9 +642,9 @@ def test_prefix_hit_while_the_first_request_still_runs_shares_its_blocks() -> No
     h.step()
     h.add("b", p + [5, 6], max_tokens=3)
     s = h.step()
-    (new,) = s.new_reqs
+    (new,) = s.new_seqs
     assert new.num_computed_tokens == 12 and new.block_ids[:3] == h.sched.kv.table("a")[:3]
-    assert [h.sched.kv.pool.blocks[b].ref_cnt for b in new.block_ids[:3]] == [2, 2, 2]
+    assert [h.sched.kv.pool.ref_count(b) for b in new.block_ids[:3]] == [2, 2, 2]
     results = h.run()
     assert results[("b", 0)].tokens == expected_tokens("b", 14, 3)
     assert results[("a", 0)].tokens == expected_tokens("a", 12, 6)
@@ -676,7 +656,7 @@ def test_block_aligned_identical_prompt_still_computes_its_last_token() -> None:
     h.add("a", p, max_tokens=2)
     h.run()
     h.add("b", p, max_tokens=2)
-    (new,) = h.step().new_reqs
+    (new,) = h.step().new_seqs
     assert new.num_computed_tokens == 12 and new.num_new_tokens == 4
     assert h.run()[("b", 0)].tokens == expected_tokens("b", 16, 2)
 
@@ -686,7 +666,7 @@ def test_generated_tokens_are_cached_too() -> None:
     h.add("a", prompt(0, 6), max_tokens=7, ignore_eos=True)
     r = h.run()[("a", 0)]
     h.add("b", prompt(0, 6) + r.tokens[:6], max_tokens=2)
-    (new,) = h.step().new_reqs
+    (new,) = h.step().new_seqs
     assert new.num_computed_tokens == 8                       # blocks 0-1 hold prompt + generated tokens
     h.run()
 
@@ -737,10 +717,10 @@ def run_random_workload(reqs: list[tuple[int, int, int, int, int]], num_blocks: 
             h.add(rid, p, **sp)
         for at, k, idx in aborts:
             rid = work[k % len(work)][0]
-            if at == step and rid in h.sched.groups:
+            if at == step and h.sched.group(rid) is not None:
                 n = work[k % len(work)][2]["n"]
                 idx = idx if idx < n else -1
-                if idx == 0 and h.sched.groups[rid][0].pending_fork:
+                if idx == 0 and h.sched.group(rid).pending_fork:
                     idx = -1                  # choice 0 before the fork takes the unborn choices with it
                 h.abort([rid], [idx])
                 aborted |= {(rid, i) for i in range(n) if idx in (-1, i)}

@@ -72,13 +72,6 @@ def make_meta(seqs: list[tuple[int, int]], block_size: int, num_blocks: int,
     )
 
 
-def clone_meta(meta: AttentionMetadata) -> AttentionMetadata:
-    """Same step for the other backend, with its own `extra` so the two prepare() calls do not mix."""
-    return AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.context_lens,
-                             meta.block_tables, meta.block_size, meta.max_query_len, meta.max_seq_len,
-                             list(meta.query_lens_list), list(meta.seq_lens_list))
-
-
 def rand(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(shape, generator=gen).to(dtype=dtype, device=DEVICE)
 
@@ -94,11 +87,10 @@ def run_both(seqs: list[tuple[int, int]], hq: int, hkv: int, head_dim: int, bloc
     query = rand((sum(q for _, q in seqs), hq, head_dim), dtype, gen)
     scale = head_dim ** -0.5
     tri, ref = TritonAttentionBackend(), TorchAttentionBackend()
-    meta_ref = clone_meta(meta)
-    tri.prepare(meta)
-    ref.prepare(meta_ref)
-    out = tri.forward(query, k_cache, v_cache, meta, scale)
-    expected = ref.forward(query, k_cache, v_cache, meta_ref, scale)
+    # the step's own K/V, as if write_kv had just put them at their slots (torch reads them for fresh prefills)
+    key, value = (c.view(-1, hkv, head_dim)[meta.slot_mapping] for c in (k_cache, v_cache))
+    out = tri.forward(query, key, value, k_cache, v_cache, tri.prepare(meta), scale)
+    expected = ref.forward(query, key, value, k_cache, v_cache, ref.prepare(meta), scale)
     return out, expected
 
 
@@ -127,8 +119,7 @@ def test_forward_odd_group_sizes(hq: int, hkv: int) -> None:
 def test_forward_decode_only_and_tiles_cached() -> None:
     gen = torch.Generator().manual_seed(3)
     meta = make_meta([(7, 1), (30, 1), (0, 1)], 8, 12, gen)
-    TritonAttentionBackend().prepare(meta)
-    tile_seq, tile_qoff = meta.extra["triton_tiles"][16]
+    tile_seq, tile_qoff = TritonAttentionBackend().prepare(meta).tiles(16)
     assert tile_seq.tolist() == [0, 1, 2] and tile_qoff.tolist() == [0, 0, 0]
     out, expected = run_both([(7, 1), (30, 1), (0, 1)], 4, 4, 16, 8, torch.float32, seed=3)
     torch.testing.assert_close(out, expected, **TOL[torch.float32])
@@ -137,12 +128,11 @@ def test_forward_decode_only_and_tiles_cached() -> None:
 def test_tile_bookkeeping() -> None:
     gen = torch.Generator().manual_seed(4)
     meta = make_meta([(0, 17), (5, 1), (2, 16)], 16, 8, gen)
-    backend = TritonAttentionBackend()
-    backend.prepare(meta)
-    tile_seq, tile_qoff = backend._tiles(meta, 8)
+    tm = TritonAttentionBackend().prepare(meta)
+    tile_seq, tile_qoff = tm.tiles(8)
     assert tile_seq.tolist() == [0, 0, 0, 1, 2, 2]
     assert tile_qoff.tolist() == [0, 8, 16, 0, 0, 8]
-    assert backend._tiles(meta, 8)[0] is tile_seq            # cached for the rest of the step's layers
+    assert tm.tiles(8)[0] is tile_seq                        # cached for the rest of the step's layers
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -154,8 +144,8 @@ def test_write_kv_matches_torch(block_size: int, dtype: torch.dtype) -> None:
     key, value = rand((t, 3, 24), dtype, gen), rand((t, 3, 24), dtype, gen)
     k0, v0 = rand((40, block_size, 3, 24), dtype, gen), rand((40, block_size, 3, 24), dtype, gen)
     kt, vt, kr, vr = k0.clone(), v0.clone(), k0.clone(), v0.clone()
-    TritonAttentionBackend().write_kv(key, value, kt, vt, meta)
-    TorchAttentionBackend().write_kv(key, value, kr, vr, clone_meta(meta))
+    TritonAttentionBackend().write_kv(key, value, kt, vt, TritonAttentionBackend().prepare(meta))
+    TorchAttentionBackend().write_kv(key, value, kr, vr, TorchAttentionBackend().prepare(meta))
     assert torch.equal(kt, kr) and torch.equal(vt, vr)
     assert not torch.equal(kt, k0)
 
@@ -166,7 +156,7 @@ def test_write_kv_skips_padding_slots() -> None:
     meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((2,), -1, device=DEVICE)])  # 2 padding tokens
     key, value = rand((6, 2, 16), torch.float32, gen), rand((6, 2, 16), torch.float32, gen)
     k_cache, v_cache = torch.zeros(4, 8, 2, 16, device=DEVICE), torch.zeros(4, 8, 2, 16, device=DEVICE)
-    TritonAttentionBackend().write_kv(key, value, k_cache, v_cache, meta)
+    TritonAttentionBackend().write_kv(key, value, k_cache, v_cache, TritonAttentionBackend().prepare(meta))
     slots = meta.slot_mapping[:4]
     assert torch.equal(k_cache.view(-1, 2, 16)[slots], key[:4])
     assert torch.equal(v_cache.view(-1, 2, 16)[slots], value[:4])
@@ -185,13 +175,11 @@ def test_write_then_forward_matches_torch(dtype: torch.dtype) -> None:
     k0, v0 = rand((24, bs, hkv, d), dtype, gen), rand((24, bs, hkv, d), dtype, gen)
     kt, vt, kr, vr = k0.clone(), v0.clone(), k0.clone(), v0.clone()
     tri, ref = TritonAttentionBackend(), TorchAttentionBackend()
-    meta_ref = clone_meta(meta)
-    tri.prepare(meta)
-    ref.prepare(meta_ref)
-    tri.write_kv(key, value, kt, vt, meta)
-    ref.write_kv(key, value, kr, vr, meta_ref)
-    out = tri.forward(query, kt, vt, meta, 0.2, key=key, value=value)
-    expected = ref.forward(query, kr, vr, meta_ref, 0.2, key=key, value=value)
+    tm, rm = tri.prepare(meta), ref.prepare(meta)
+    tri.write_kv(key, value, kt, vt, tm)
+    ref.write_kv(key, value, kr, vr, rm)
+    out = tri.forward(query, key, value, kt, vt, tm, 0.2)
+    expected = ref.forward(query, key, value, kr, vr, rm, 0.2)
     assert torch.equal(kt, kr) and torch.equal(vt, vr)
     torch.testing.assert_close(out, expected, **TOL[dtype])
 
@@ -200,9 +188,10 @@ def test_rejects_bad_shapes() -> None:
     gen = torch.Generator().manual_seed(8)
     meta = make_meta([(0, 2)], 8, 2, gen)
     backend = TritonAttentionBackend()
-    backend.prepare(meta)
+    tm = backend.prepare(meta)
     cache = torch.zeros(2, 8, 2, 16, device=DEVICE)
+    kv = torch.zeros(2, 2, 16, device=DEVICE)
     with pytest.raises(ValueError, match="multiple"):
-        backend.forward(torch.zeros(2, 3, 16, device=DEVICE), cache, cache, meta, 1.0)
+        backend.forward(torch.zeros(2, 3, 16, device=DEVICE), kv, kv, cache, cache, tm, 1.0)
     with pytest.raises(ValueError, match="head_dim"):
-        backend.forward(torch.zeros(2, 2, 32, device=DEVICE), cache, cache, meta, 1.0)
+        backend.forward(torch.zeros(2, 2, 32, device=DEVICE), kv, kv, cache, cache, tm, 1.0)

@@ -7,14 +7,16 @@ context_lens[i] .. seq_lens[i]-1 and attend causally to every cached position < 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch
 
 
 @dataclass
 class AttentionMetadata:
+    """The step's layout, common to every backend; each backend's prepare() derives its own typed
+    metadata from it once per step."""
     slot_mapping: torch.Tensor      # [num_tokens] int64: block_id * block_size + offset of each new token
     query_start_loc: torch.Tensor   # [num_seqs + 1] int32
     seq_lens: torch.Tensor          # [num_seqs] int32: context + new tokens
@@ -25,24 +27,31 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_list: list[int]
     seq_lens_list: list[int]
-    extra: dict[str, Any] = field(default_factory=dict)   # backend-specific, filled once per step by prepare()
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_list)
 
 
-class AttentionBackend(Protocol):
+M = TypeVar("M")   # a backend's own per-step metadata
+
+
+class AttentionBackend(Protocol[M]):
+    """One file per backend. The model calls, in every layer: write_kv(), then forward(), with the metadata
+    that prepare() returned once for the step."""
     name: str
 
-    def prepare(self, meta: AttentionMetadata) -> None:
+    def prepare(self, meta: AttentionMetadata) -> M:
         """Precompute per-step index tensors once so each layer's forward only does tensor work."""
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None: ...
+                 meta: M) -> None:
+        """Scatter this step's key/value [T, Hkv, D] into the layer's cache."""
 
-    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: M, scale: float) -> torch.Tensor:
+        """Attention output [T, Hq, D] of the step's queries over the cache (already holding this step's
+        K/V); `key`/`value` are the step's new K/V, which a backend may read directly where it helps."""
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:

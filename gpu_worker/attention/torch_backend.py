@@ -7,6 +7,8 @@ to its own new K/V directly, with no gather. Index tensors are built once per st
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +27,30 @@ def _decode_groups(lengths: list[int], order: list[int]) -> list[list[int]]:
         else:
             groups.append([i])
     return groups
+
+
+@dataclass
+class DecodeGroup:
+    """Decodes of similar length, run as one padded SDPA call."""
+    rows: torch.Tensor          # [Bd] their query rows
+    blocks: torch.Tensor        # [Bd, nb] block ids to gather, padded to the longest
+    mask: torch.Tensor          # [Bd, 1, 1, nb * block_size] valid key positions
+
+
+@dataclass
+class PrefillChunk:
+    """A sequence running several tokens: a fresh prefill (no cached context) or a chunk behind context."""
+    rows: slice
+    length: int                           # context + new tokens
+    blocks: torch.Tensor | None = None    # block ids holding its keys; None for a fresh prefill
+    mask: torch.Tensor | None = None      # [n, length] causal mask by absolute position
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor
+    decodes: list[DecodeGroup]
+    prefills: list[PrefillChunk]
 
 
 class TorchAttentionBackend:
@@ -46,69 +72,73 @@ class TorchAttentionBackend:
         torch.index_select(cache, 0, blocks.reshape(-1), out=out)
         return out.view(*blocks.shape, *cache.shape[1:])
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        ql, sl, bs = meta.query_lens_list, meta.seq_lens_list, meta.block_size
-        dev = meta.block_tables.device
+    def prepare(self, meta: AttentionMetadata) -> TorchAttentionMetadata:
+        ql, sl = meta.query_lens_list, meta.seq_lens_list
         decodes = sorted((i for i, q in enumerate(ql) if q == 1), key=lambda i: sl[i])
-        meta.extra["decodes"] = [self._decode_group(meta, g) for g in _decode_groups(sl, decodes)]
-        meta.extra["prefills"] = []
         starts = meta.query_start_loc.tolist()
-        for i, q in enumerate(ql):
-            if q == 1:
-                continue
-            ctx = sl[i] - q
-            entry = {"rows": slice(starts[i], starts[i] + q), "fresh": ctx == 0, "len": sl[i]}
-            if ctx:
-                entry["blocks"] = meta.block_tables[i, :-(-sl[i] // bs)].long()
-                qpos = torch.arange(ctx, sl[i], device=dev)
-                entry["mask"] = torch.arange(sl[i], device=dev)[None, :] <= qpos[:, None]
-            meta.extra["prefills"].append(entry)
+        return TorchAttentionMetadata(
+            meta.slot_mapping, [self._decode_group(meta, g) for g in _decode_groups(sl, decodes)],
+            [self._prefill(meta, i, starts[i]) for i, q in enumerate(ql) if q != 1])
 
     @staticmethod
-    def _decode_group(meta: AttentionMetadata, idx_list: list[int]) -> dict:
+    def _prefill(meta: AttentionMetadata, i: int, start: int) -> PrefillChunk:
+        q, length = meta.query_lens_list[i], meta.seq_lens_list[i]
+        ctx = length - q
+        if not ctx:
+            return PrefillChunk(slice(start, start + q), length)
+        dev = meta.block_tables.device
+        qpos = torch.arange(ctx, length, device=dev)
+        return PrefillChunk(slice(start, start + q), length,
+                            blocks=meta.block_tables[i, :-(-length // meta.block_size)].long(),
+                            mask=torch.arange(length, device=dev)[None, :] <= qpos[:, None])
+
+    @staticmethod
+    def _decode_group(meta: AttentionMetadata, idx_list: list[int]) -> DecodeGroup:
         dev = meta.block_tables.device
         idx = torch.tensor(idx_list, device=dev)
         num_blocks = -(-max(meta.seq_lens_list[i] for i in idx_list) // meta.block_size)
         pos = torch.arange(num_blocks * meta.block_size, device=dev)
-        return {"rows": meta.query_start_loc[idx].long(),
-                "blocks": meta.block_tables[idx, :num_blocks].long(),                     # [Bd, nb]
-                "mask": (pos[None, :] < meta.seq_lens[idx][:, None].to(pos.dtype))[:, None, None, :]}
+        return DecodeGroup(rows=meta.query_start_loc[idx].long(),
+                           blocks=meta.block_tables[idx, :num_blocks].long(),
+                           mask=(pos[None, :] < meta.seq_lens[idx][:, None].to(pos.dtype))[:, None, None, :])
 
-    def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
+    def write_kv(self, key, value, k_cache, v_cache, meta: TorchAttentionMetadata) -> None:
         nh, hd = k_cache.shape[-2:]
         k_cache.view(-1, nh, hd).index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
         v_cache.view(-1, nh, hd).index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
 
-    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
-        """query [T, Hq, D]; `key`/`value` are this step's new K/V [T, Hkv, D] (used by fresh prefills)."""
-        if "prefills" not in meta.extra:
-            self.prepare(meta)
-        nh, hd = k_cache.shape[-2:]
+    def forward(self, query, key, value, k_cache, v_cache, meta: TorchAttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """query [T, Hq, D]; `key`/`value` [T, Hkv, D] are read directly by fresh prefills (no gather)."""
         out = torch.empty_like(query)
-        for g in meta.extra["decodes"]:
-            rows, blocks = g["rows"], g["blocks"]
-            bd, length = blocks.shape[0], blocks.shape[1] * k_cache.shape[1]
-            q = query[rows].unsqueeze(2)                                       # [Bd, Hq, 1, D]
-            # gathering whole blocks copies contiguous chunks: much cheaper than a gather per slot
-            k = self._gather("k", k_cache, blocks).view(bd, length, nh, hd).transpose(1, 2)   # [Bd, Hkv, L, D]
-            v = self._gather("v", v_cache, blocks).view(bd, length, nh, hd).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=g["mask"],
-                                               scale=scale, enable_gqa=True)
-            out[rows] = o.squeeze(2)
-        for p in meta.extra["prefills"]:
-            rows = p["rows"]
-            q = query[rows].transpose(0, 1).unsqueeze(0)                       # [1, Hq, n, D]: 4-D is SDPA's fast path
-            if p["fresh"]:
-                k, v = (key[rows], value[rows]) if key is not None else \
-                    (t.view(-1, nh, hd)[meta.slot_mapping[rows]] for t in (k_cache, v_cache))
-                o = F.scaled_dot_product_attention(q, k.transpose(0, 1).unsqueeze(0).to(q.dtype),
-                                                   v.transpose(0, 1).unsqueeze(0).to(q.dtype), is_causal=True,
-                                                   scale=scale, enable_gqa=True)
-            else:
-                k = self._gather("k", k_cache, p["blocks"]).view(-1, nh, hd)[:p["len"]].transpose(0, 1).unsqueeze(0)
-                v = self._gather("v", v_cache, p["blocks"]).view(-1, nh, hd)[:p["len"]].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=p["mask"],
-                                                   scale=scale, enable_gqa=True)
-            out[rows] = o.squeeze(0).transpose(0, 1)
+        for g in meta.decodes:
+            out[g.rows] = self._decode(query, k_cache, v_cache, g, scale)
+        for p in meta.prefills:
+            out[p.rows] = self._prefill_attention(query, key, value, k_cache, v_cache, p, scale)
         return out
+
+    def _decode(self, query, k_cache, v_cache, g: DecodeGroup, scale: float) -> torch.Tensor:
+        nh, hd = k_cache.shape[-2:]
+        bd, length = g.blocks.shape[0], g.blocks.shape[1] * k_cache.shape[1]
+        q = query[g.rows].unsqueeze(2)                                         # [Bd, Hq, 1, D]
+        # gathering whole blocks copies contiguous chunks: much cheaper than a gather per slot
+        k = self._gather("k", k_cache, g.blocks).view(bd, length, nh, hd).transpose(1, 2)   # [Bd, Hkv, L, D]
+        v = self._gather("v", v_cache, g.blocks).view(bd, length, nh, hd).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=g.mask,
+                                           scale=scale, enable_gqa=True)
+        return o.squeeze(2)
+
+    def _prefill_attention(self, query, key, value, k_cache, v_cache, p: PrefillChunk, scale: float) -> torch.Tensor:
+        nh, hd = k_cache.shape[-2:]
+        q = query[p.rows].transpose(0, 1).unsqueeze(0)                         # [1, Hq, n, D]: 4-D is SDPA's fast path
+        if p.blocks is None:                                                   # fresh: no cached context
+            k, v = key[p.rows], value[p.rows]
+            o = F.scaled_dot_product_attention(q, k.transpose(0, 1).unsqueeze(0).to(q.dtype),
+                                               v.transpose(0, 1).unsqueeze(0).to(q.dtype), is_causal=True,
+                                               scale=scale, enable_gqa=True)
+        else:
+            k = self._gather("k", k_cache, p.blocks).view(-1, nh, hd)[:p.length].transpose(0, 1).unsqueeze(0)
+            v = self._gather("v", v_cache, p.blocks).view(-1, nh, hd)[:p.length].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=p.mask,
+                                               scale=scale, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)

@@ -17,7 +17,8 @@ of every key is gathered from the block table, so block sizes below tl.dot's 16-
 and non-power-of-two block sizes work.
 
 Tile bookkeeping (which sequence and which query offset each tile handles) depends only on the step,
-so it is computed once, on the host from the metadata's Python lists, and cached in `meta.extra`;
+so it is computed once, on the host from the metadata's Python lists, and cached in the step's
+TritonAttentionMetadata;
 every layer's forward then only launches the kernel.
 
 Triton is imported lazily-safe (the module imports on machines without Triton or a GPU), and the
@@ -28,6 +29,7 @@ module was imported earlier.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,7 +46,6 @@ except Exception as exc:  # pragma: no cover - exercised only where triton is mi
     _TRITON_IMPORT_ERROR = exc
 
 _LOG2E = 1.4426950408889634
-_TILES_KEY = "triton_tiles"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,6 +204,32 @@ def _tile_shape(group: int) -> tuple[int, int]:
     return max(1, block_m // group), block_m
 
 
+@dataclass
+class TritonAttentionMetadata:
+    """The step's common metadata plus its query tilings, one per BLOCK_Q, built on first use."""
+    base: AttentionMetadata
+    _tilings: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def tiles(self, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tile_seq, tile_qoff) int32 on the metadata's device, built on the host from Python lists so
+        the grid size is known without a device sync."""
+        hit = self._tilings.get(block_q)
+        if hit is None:
+            hit = self._tilings[block_q] = _tiling(self.base, block_q)
+        return hit
+
+
+def _tiling(meta: AttentionMetadata, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    qlens = torch.tensor(meta.query_lens_list, dtype=torch.int64)
+    counts = (qlens + block_q - 1) // block_q                     # tiles per sequence (0 if no query)
+    tile_seq = torch.repeat_interleave(torch.arange(len(qlens)), counts)
+    first = torch.cumsum(counts, 0) - counts                      # index of each sequence's first tile
+    tile_qoff = (torch.arange(int(counts.sum())) - first[tile_seq]) * block_q
+    dev = meta.block_tables.device
+    return (tile_seq.to(torch.int32).to(dev, non_blocking=True),
+            tile_qoff.to(torch.int32).to(dev, non_blocking=True))
+
+
 class TritonAttentionBackend:
     """Paged attention with one Triton launch per layer for the whole mixed batch (CUDA; or CPU under
     TRITON_INTERPRET=1 for tests)."""
@@ -215,37 +242,20 @@ class TritonAttentionBackend:
         self.tile_n = tile_n
 
     # ---------------------------------------------------------------------------------- bookkeeping
-    def prepare(self, meta: AttentionMetadata) -> None:
-        """Reset the per-step tile cache and precompute the tiling for BLOCK_Q = 16 (no GQA).
+    def prepare(self, meta: AttentionMetadata) -> TritonAttentionMetadata:
+        """The step's metadata with the tiling for BLOCK_Q = 16 (no GQA) precomputed.
 
         The tiling depends on BLOCK_Q, which depends on Hq // Hkv, known only when forward sees the
-        query. Tilings are therefore cached per BLOCK_Q in meta.extra: the one for G = 1 is built here,
-        any other on the first layer's forward, and all later layers of the step reuse it.
+        query. Tilings are therefore cached per BLOCK_Q in the returned metadata: the one for G = 1 is
+        built here, any other on the first layer's forward, and all later layers of the step reuse it.
         """
-        meta.extra[_TILES_KEY] = {}
-        self._tiles(meta, 16)
-
-    def _tiles(self, meta: AttentionMetadata, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tile_seq, tile_qoff) int32 on the metadata's device, built on the host from Python lists so
-        the grid size is known without a device sync."""
-        cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = meta.extra.setdefault(_TILES_KEY, {})
-        hit = cache.get(block_q)
-        if hit is not None:
-            return hit
-        qlens = torch.tensor(meta.query_lens_list, dtype=torch.int64)
-        counts = (qlens + block_q - 1) // block_q                     # tiles per sequence (0 if no query)
-        tile_seq = torch.repeat_interleave(torch.arange(len(qlens)), counts)
-        first = torch.cumsum(counts, 0) - counts                      # index of each sequence's first tile
-        tile_qoff = (torch.arange(int(counts.sum())) - first[tile_seq]) * block_q
-        dev = meta.block_tables.device
-        hit = (tile_seq.to(torch.int32).to(dev, non_blocking=True),
-               tile_qoff.to(torch.int32).to(dev, non_blocking=True))
-        cache[block_q] = hit
-        return hit
+        tm = TritonAttentionMetadata(meta)
+        tm.tiles(16)
+        return tm
 
     # ---------------------------------------------------------------------------------- kernels
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
+                 tm: TritonAttentionMetadata) -> None:
         """Scatter this step's key/value [T, Hkv, D] into the caches at meta.slot_mapping (slots < 0 skipped)."""
         num_tokens = key.shape[0]
         if num_tokens == 0:
@@ -256,18 +266,17 @@ class TritonAttentionBackend:
             raise ValueError(f"key/value {tuple(key.shape)}/{tuple(value.shape)} do not match cache heads "
                              f"{nkv} x {hd}")
         write_kernel[(num_tokens,)](
-            key, value, k_cache, v_cache, meta.slot_mapping,
+            key, value, k_cache, v_cache, tm.base.slot_mapping,
             *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
             nkv, hd, k_cache.shape[1],
             HEADS_PAD=_next_pow2(nkv), HEAD_PAD=_next_pow2(hd),
         )
 
-    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float,
-                key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, tm: TritonAttentionMetadata, scale: float) -> torch.Tensor:
         """query [T, Hq, D] -> [T, Hq, D]. Reads K/V only from the cache (write_kv must have run for this
-        step's tokens); `key`/`value` are accepted for signature compatibility and ignored."""
-        del key, value
+        step's tokens); the step's own `key`/`value` are not needed."""
+        meta = tm.base
         _, attn_kernel = _kernels()
         num_tokens, num_q_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[-2]
@@ -280,7 +289,7 @@ class TritonAttentionBackend:
             return out
         group = num_q_heads // num_kv_heads
         block_q, block_m = _tile_shape(group)
-        tile_seq, tile_qoff = self._tiles(meta, block_q)
+        tile_seq, tile_qoff = tm.tiles(block_q)
         if tile_seq.numel() == 0:
             return out
         attn_kernel[(tile_seq.numel(), num_kv_heads)](

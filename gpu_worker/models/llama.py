@@ -6,12 +6,14 @@ metadata, so the model itself never sees sequences or padding.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from common.config import ModelConfig
-from gpu_worker.attention import AttentionBackend, AttentionMetadata
+from gpu_worker.attention import AttentionBackend
 from gpu_worker.layers.linear import Linear
 from gpu_worker.layers.norm import RMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding
@@ -29,7 +31,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: Any,
                 backend: AttentionBackend) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         t = x.shape[0]
@@ -41,7 +43,7 @@ class Attention(nn.Module):
         q, k = rope(positions, q, k)
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta)
-        o = backend.forward(q, k_cache, v_cache, meta, self.scale, key=k, value=v)
+        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -86,8 +88,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any,
                 backend: AttentionBackend) -> torch.Tensor:
+        """`meta` is what backend.prepare() returned for this step; the model only passes it along."""
         x = self.embed_tokens(input_ids)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, kv, meta, backend)

@@ -1,5 +1,8 @@
-"""The scheduler's view of one sequence: tokens, progress and status. A request with n > 1 becomes n
-sequences that share the prompt's KV blocks; sequence i of request R has req_id R (i = 0) or R#i."""
+"""The scheduler's view of one sequence: tokens, progress and status.
+
+A user's request (`request_id`) with n > 1 becomes n sequences that share the prompt's KV blocks; choice
+i of request R is the sequence with seq_id R (i = 0) or R#i. The group they form lives in
+sequence_group.py; this module knows one sequence only."""
 from __future__ import annotations
 
 import enum
@@ -21,9 +24,14 @@ def hash_block(parent: int | None, tokens: list[int]) -> int:
     return hash((parent, tuple(tokens)))
 
 
+def seq_id_of(request_id: str, index: int) -> str:
+    """Choice 0 keeps the request's id, so a request with n = 1 has one id everywhere."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
 @dataclass(eq=False)
-class Request:
-    req_id: str
+class Sequence:
+    seq_id: str
     request_id: str
     index: int
     prompt_token_ids: list[int]
@@ -40,7 +48,6 @@ class Request:
     status: Status = Status.WAITING
     on_worker: bool = False              # the worker holds this sequence's state
     worker_num_blocks: int = 0           # length of the block table the worker holds
-    pending_fork: bool = False           # an n > 1 parent whose siblings are forked after its prefill
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0

@@ -1,0 +1,154 @@
+"""The worker's per-sequence state, and the flat input tensors of one step built from it.
+
+    SchedulerOutput ──apply deltas──► SequenceState (per sequence) ──build_step_inputs──► StepInputs
+                                                                    (pure: reads state, changes nothing)
+
+A step runs `num_new_tokens` tokens of every scheduled sequence, concatenated without padding. Row r of
+the flat batch is token `positions[r]` of its sequence; its key/value is written to cache slot
+`slot_mapping[r]`. A sequence that reaches the end of its known tokens samples: from its last row, or,
+with k draft tokens appended (speculative decoding), from each of its last k + 1 rows, so the verifier
+sees the target model's choice after every draft:
+
+    known tokens  t0 t1 t2 | drafts d0 d1      scheduled: t2 d0 d1  (num_new_tokens = 3)
+    logits rows            ^t2   ^d0  ^d1  ──► 3 samples: after t2, after d0, after d1
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.protocol import NewSequenceData
+from common.sampling_params import SamplingParams
+from gpu_worker.attention import AttentionMetadata
+
+
+@dataclass
+class SequenceState:
+    seq_id: str
+    token_ids: list[int]                 # prompt + outputs known to the worker (its own samples included)
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+    lora_id: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)   # drafts to verify this step
+
+    @classmethod
+    def from_new(cls, r: NewSequenceData, device: torch.device) -> "SequenceState":
+        gen = None
+        if r.seed is not None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(r.seed & 0xFFFF_FFFF_FFFF_FFFF)
+        return cls(r.seq_id, list(r.token_ids), r.num_prompt_tokens, r.sampling_params, list(r.block_ids),
+                   r.num_computed_tokens, gen, r.lora_id)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class PromptLogprobRows:
+    """Rows whose logits predict the next prompt token, for a sequence that asked for prompt logprobs."""
+    rows: torch.Tensor          # [m] rows of the flat batch
+    next_ids: torch.Tensor      # [m] the prompt tokens those rows predict
+    first_chunk: bool           # the chunk starts at position 0, whose token nothing predicts
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor                 # [T]
+    positions: torch.Tensor                 # [T]
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor            # [R] rows to compute logits on and sample from
+    sample_seq_ids: list[str]               # sequences that sample this step, in row order
+    num_samples: list[int]                  # logits rows per sampling sequence: 1, or k + 1 with k drafts
+    prompt_logprobs: dict[str, PromptLogprobRows]
+    lora_ids: torch.Tensor | None = None    # [T] adapter slot per row; None when all run the base model
+
+    def sampling_states(self, states: dict[str, SequenceState]) -> list[SequenceState]:
+        """The state behind each logits row (a sequence with drafts owns k + 1 consecutive rows)."""
+        return [states[s] for s, k in zip(self.sample_seq_ids, self.num_samples) for _ in range(k)]
+
+
+def build_step_inputs(states: dict[str, SequenceState], scheduled: list[tuple[str, int]], block_size: int,
+                      device: torch.device) -> StepInputs:
+    """Flat inputs for `scheduled` (seq_id, num_new_tokens) pairs, in that order."""
+    tokens: list[int] = []
+    ctx_lens, q_lens, tables, lora = [], [], [], []
+    sample_ids, num_samples = [], []
+    for seq_id, n in scheduled:
+        st = states[seq_id]
+        start = st.num_computed_tokens
+        known = st.token_ids + st.spec_token_ids if st.spec_token_ids else st.token_ids
+        tokens.extend(known[start:start + n])
+        ctx_lens.append(start)
+        q_lens.append(n)
+        tables.append(st.block_ids)
+        lora.append(st.lora_id)
+        if start + n >= len(st.token_ids) + len(st.spec_token_ids):
+            sample_ids.append(seq_id)
+            num_samples.append(1 + len(st.spec_token_ids))
+    meta, qsl = _attention_metadata(ctx_lens, q_lens, tables, block_size)
+    row = {seq_id: i for i, (seq_id, _) in enumerate(scheduled)}
+    ends = qsl[1:].tolist()
+    logits_rows = [ends[row[s]] - k + j for s, k in zip(sample_ids, num_samples) for j in range(k)]
+    seq_idx = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(q_lens))
+    return StepInputs(
+        input_ids=torch.tensor(tokens, device=device),
+        positions=_positions(meta, qsl, seq_idx).to(device),
+        attn=_to(meta, device),
+        logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=device),
+        sample_seq_ids=sample_ids, num_samples=num_samples,
+        prompt_logprobs=_prompt_logprob_rows(states, scheduled, qsl, device),
+        lora_ids=torch.tensor(lora, device=device)[seq_idx.to(device)] if any(lora) else None)
+
+
+def _attention_metadata(ctx_lens: list[int], q_lens: list[int], tables: list[list[int]],
+                        block_size: int) -> tuple[AttentionMetadata, torch.Tensor]:
+    num_seqs = len(q_lens)
+    q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
+    qsl = torch.zeros(num_seqs + 1, dtype=torch.int32)
+    torch.cumsum(q_lens_t, 0, out=qsl[1:])
+    ctx_t = torch.tensor(ctx_lens, dtype=torch.int32)
+    seq_lens = ctx_t + q_lens_t
+    bt = torch.zeros(num_seqs, max(len(t) for t in tables), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long), query_start_loc=qsl, seq_lens=seq_lens,
+        context_lens=ctx_t, block_tables=bt, block_size=block_size, max_query_len=max(q_lens),
+        max_seq_len=int(seq_lens.max()), query_lens_list=q_lens, seq_lens_list=seq_lens.tolist())
+    return meta, qsl
+
+
+def _positions(meta: AttentionMetadata, qsl: torch.Tensor, seq_idx: torch.Tensor) -> torch.Tensor:
+    """Each row's position in its sequence; also fills the slot mapping, which follows from it."""
+    rows = torch.arange(len(seq_idx))
+    positions = rows - qsl[:-1].long()[seq_idx] + meta.context_lens.long()[seq_idx]
+    bs = meta.block_size
+    meta.slot_mapping = meta.block_tables[seq_idx, positions // bs].long() * bs + positions % bs
+    return positions
+
+
+def _to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "context_lens", "block_tables"):
+        setattr(meta, name, getattr(meta, name).to(device))
+    return meta
+
+
+def _prompt_logprob_rows(states: dict[str, SequenceState], scheduled: list[tuple[str, int]], qsl: torch.Tensor,
+                         device: torch.device) -> dict[str, PromptLogprobRows]:
+    out = {}
+    for i, (seq_id, n) in enumerate(scheduled):
+        st = states[seq_id]
+        start = st.num_computed_tokens
+        if st.params.prompt_logprobs is None or start >= st.num_prompt_tokens - 1:
+            continue
+        hi = min(start + n, st.num_prompt_tokens - 1)
+        base = int(qsl[i]) - start
+        out[seq_id] = PromptLogprobRows(torch.arange(base + start, base + hi, device=device),
+                                        torch.tensor(st.token_ids[start + 1:hi + 1], device=device), start == 0)
+    return out

@@ -1,0 +1,31 @@
+"""The scheduler's configuration: the engine flags it acts on, plus the facts only the workers know
+(cache size, context limit, vocabulary), joined once at start-up."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import EngineConfig
+from common.protocol import WorkerInfo
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    vocab_size: int | None = None
+    block_size: int = 16
+    num_blocks: int = 1024
+    num_host_blocks: int = 0
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = 4096
+    max_waiting_tokens: int = 1 << 22
+
+    @classmethod
+    def from_engine(cls, engine: EngineConfig, worker: WorkerInfo) -> "SchedulerConfig":
+        return cls(max_num_batched_tokens=engine.max_num_batched_tokens, max_num_seqs=engine.max_num_seqs,
+                   max_model_len=worker.max_model_len, vocab_size=worker.vocab_size,
+                   block_size=engine.block_size, num_blocks=worker.num_blocks,
+                   num_host_blocks=worker.num_host_blocks, enable_prefix_caching=engine.enable_prefix_caching,
+                   max_waiting_requests=engine.max_waiting_requests,
+                   max_waiting_tokens=engine.max_waiting_tokens)
