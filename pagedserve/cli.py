@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         run_worker(engine_config(args), args.connect, args.rank)
     elif args.command == "router":
         from common.process import die_with_parent
-        from router.api_server import run_router
+        from router.serve import run_router
         die_with_parent()
         args.engine_address = args.connect
         run_router(args)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from common.model_source import ModelSource
 from common.protocol import EngineOutput, EngineRequest, Stats, encode
 from common.sampling_params import MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, SamplingParams
-from router.api_server import build_app, drain
+from router.app import build_app, drain
 from router.engine_client import EngineRejected
 from router.openai_protocol import (APIError, ModelInfo, decode_json_body, parse_chat_request,
                                     parse_completion_request)
