@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from router.config import RouterConfig
 from router.engine_client import EngineClient
 from router.generation import EngineFailure, Generation
 from router.metrics import RouterMetrics
@@ -31,7 +32,6 @@ log = logging.getLogger("pagedserve.router")
 # Bodies above this are parsed and tokenized in a worker thread; below it the thread hop costs more than
 # it saves. (The Rust tokenizer releases the GIL, so the event loop keeps streaming meanwhile.)
 OFFLOAD_BYTES = 4096
-DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 ABORT_GRACE_S = 5.0             # after the drain timeout's aborts, how long finishing requests get
 
 
@@ -217,7 +217,7 @@ def auth_middleware(api_key: str) -> Callable:
 
 # ---- app -------------------------------------------------------------------------------------------
 def build_app(client: EngineClient, tokenizer: Any, model_name: str, *, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, vocab_size: int, model_root: str | None = None,
+              max_body_bytes: int = RouterConfig.max_body_bytes, vocab_size: int, model_root: str | None = None,
               max_model_len: int | None = None) -> web.Application:
     """The router's aiohttp app. The caller owns `client` (starts and closes it); `max_model_len` is only a
     fallback for before the scheduler's first Stats, which carry the real value."""

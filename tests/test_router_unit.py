@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from common.model_source import ModelSource
 from common.protocol import EngineOutput, EngineRequest, Stats, encode
 from common.sampling_params import MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, SamplingParams
+from pagedserve import cli
 from router.app import build_app, drain
+from router.config import API_KEY_ENV, RouterConfig
 from router.engine_client import EngineRejected
 from router.openai_protocol import (APIError, ModelInfo, decode_json_body, parse_chat_request,
                                     parse_completion_request)
@@ -275,6 +277,35 @@ def test_fuzzed_bodies_parse_or_fail_cleanly(tok, info, body, prompt, messages):
             assert 0 < len(p.token_ids) and all(0 <= t < len(tok) for t in p.token_ids)
             assert len(p.token_ids) + parsed.params.max_tokens <= MAX_LEN
             encode(EngineRequest("r", p.token_ids, parsed.params))        # it crosses the wire
+
+
+# ---- RouterConfig <-> the CLI ----------------------------------------------------------------------
+def test_router_flags_are_router_config_fields(monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert cli.router_config(cli.build_parser().parse_args(["router"])) == RouterConfig()
+    argv = ["router", "m", "--connect", "tcp://s:1", "--host", "0.0.0.0", "--port", "9", "--served-model-name", "x",
+            "--api-key", "k", "--max-body-bytes", "7", "--shutdown-timeout", "2.5", "--access-log"]
+    assert cli.router_config(cli.build_parser().parse_args(argv)) == RouterConfig(
+        model="m", frontend_address="tcp://s:1", host="0.0.0.0", port=9, served_model_name="x", api_key="k",
+        max_body_bytes=7, shutdown_timeout=2.5, access_log=True)
+
+
+def test_api_key_defaults_from_the_environment(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert cli.router_config(cli.build_parser().parse_args(["router"])).api_key == "from-env"
+    assert cli.router_config(cli.build_parser().parse_args(["router", "--api-key", "k"])).api_key == "k"
+
+
+def test_serve_hands_its_router_config_to_child_routers(monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    args = cli.build_parser().parse_args(["serve", "m", "--port", "8001", "--served-model-name", "x",
+                                          "--api-key", "s3cret", "--max-body-bytes", "7", "--access-log"])
+    config = cli.router_config(args, frontend_address="ipc:///tmp/f.ipc")
+    flags = cli.router_flags(config, args.log_level)
+    assert "s3cret" not in flags and cli.router_env(config)[API_KEY_ENV] == "s3cret"     # not on argv
+    monkeypatch.setenv(API_KEY_ENV, "s3cret")
+    child = cli.build_parser().parse_args(["router", "m", *flags])
+    assert cli.router_config(child) == config and child.log_level == args.log_level
 
 
 # ==== HTTP layer against a scripted engine ==========================================================
