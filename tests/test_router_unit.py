@@ -4,6 +4,9 @@ fake EngineClient."""
 from __future__ import annotations
 
 import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -396,15 +399,33 @@ def run_http(tok, scenario, *, engine: FakeEngine | None = None, **app_kwargs: A
         app = build_app(engine, tok, MODEL, vocab_size=len(tok), **app_kwargs)
         auth = {"Authorization": f"Bearer {app_kwargs['api_key']}"} if app_kwargs.get("api_key") else {}
         async with TestClient(TestServer(app)) as client:
-            for _ in range(200):                 # warm-up runs in the background at startup
-                if (await client.get("/ready", headers=auth)).status == 200 or not engine.ready:
-                    break
-                await asyncio.sleep(0.01)
+            if engine.ready:                     # warm-up runs in the background at startup
+                await until(lambda: is_ready(client, auth), "the router is ready after its warm-up")
             await scenario(client, engine, app)
         for t in engine.tasks:
             t.cancel()
     asyncio.run(main())
     return engine
+
+
+async def until(cond: Callable[[], bool | Awaitable[bool]], what: str, timeout: float = 5.0) -> None:
+    """Poll `cond` (a predicate, or a coroutine function) every few ms until it holds; fail the test, saying
+    `what` it waited for, if it does not within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ok = cond()
+        if inspect.isawaitable(ok):
+            ok = await ok
+        if ok:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g}s waiting until {what}")
+        await asyncio.sleep(0.005)
+
+
+async def is_ready(client, headers: dict[str, str] | None = None) -> bool:
+    async with client.get("/ready", headers=headers or {}) as r:
+        return r.status == 200
 
 
 async def post(client, path: str, body: dict, **kw):
@@ -628,10 +649,7 @@ def test_not_ready_is_503_but_alive(tok):
         assert r.status == 503 and (await r.json())["reason"]
         assert (await post(client, "/v1/completions", {"prompt": "Hi"})).status == 503
         engine.stats.ready = True
-        for _ in range(100):
-            if (await client.get("/ready")).status == 200:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: is_ready(client), "/ready answers 200 once the engine is ready")
         assert (await client.get("/ready")).status == 200
     run_http(tok, scenario, engine=FakeEngine(tok, ready=False))
 
@@ -641,19 +659,13 @@ def test_client_disconnect_aborts_the_request(tok):
         r = await post(client, "/v1/completions", {"prompt": "Hi", "max_tokens": 200, "stream": True})
         await r.content.readline()
         r.close()
-        for _ in range(200):
-            if any(i == -1 for _, i in engine.abort_calls):
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: any(i == -1 for _, i in engine.abort_calls), "the stream's request is aborted")
         assert [i for _, i in engine.abort_calls] == [-1]
         # a non-streaming request whose client goes away is cancelled and aborted too
         task = asyncio.create_task(post(client, "/v1/completions", {"prompt": "Hi", "max_tokens": 200}))
-        await asyncio.sleep(0.1)
+        await until(lambda: len(engine.added) == 2, "the non-streaming request reaches the engine")
         task.cancel()
-        for _ in range(200):
-            if len(engine.abort_calls) == 2:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: len(engine.abort_calls) == 2, "the non-streaming request is aborted")
         assert [i for _, i in engine.abort_calls] == [-1, -1]
     run_http(tok, scenario, engine=FakeEngine(tok, step_s=0.01))
 
@@ -661,7 +673,7 @@ def test_client_disconnect_aborts_the_request(tok):
 def test_drain_refuses_new_work_then_aborts_stragglers(tok):
     async def scenario(client, engine, app):
         slow = asyncio.create_task(post(client, "/v1/completions", {"prompt": "Hi", "max_tokens": 200, "n": 2}))
-        await asyncio.sleep(0.1)
+        await until(lambda: len(engine.added) == 1, "the request is running in the engine")
         await drain(app, timeout=0.1)
         r = await slow
         body = await r.json()
