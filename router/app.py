@@ -38,6 +38,8 @@ ABORT_GRACE_S = 5.0             # after the drain timeout's aborts, how long fin
 # ---- per-app state ---------------------------------------------------------------------------------
 @dataclass
 class ServerState:
+    """What every handler of one app shares: the engine connection, the tokenizer, readiness, and the
+    in-flight requests that drain waits for. One per app (not module globals), so tests run many apps."""
     client: EngineClient
     tokenizer: Any
     model_name: str
