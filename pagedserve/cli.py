@@ -11,45 +11,90 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any, TypeVar
 
 from common.config import EngineConfig
+from router.config import API_KEY_ENV, DEFAULT_FRONTEND, RouterConfig
 
-DEFAULT_FRONTEND = "tcp://127.0.0.1:5557"
 DEFAULT_WORKERS = "tcp://127.0.0.1:5558"
+DEFAULT_LOG_LEVEL = "INFO"
 _ENGINE_HELP = {
     "model": "model: nothing for SmolLM2-135M-Instruct, a Hugging Face folder, or a .gguf file",
     "kv_cache_memory": "GiB of memory for the KV cache on CPU",
     "swap_space": "GiB of host memory for swapped-out KV blocks (0 disables swapping)",
     "num_gpu_blocks": "fix the number of KV blocks instead of sizing from memory",
 }
+_ROUTER_HELP = {
+    "frontend_address": "the scheduler's frontend address",
+    "served_model_name": "the model id clients send and see (default: the model's name)",
+    "api_key": f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV})",
+    "max_body_bytes": "largest request body accepted (413 above it)",
+    "shutdown_timeout": "seconds in-flight requests get to finish on SIGTERM before they are aborted",
+    "access_log": "log one line per HTTP request",
+}
+_FLAG_TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
+Config = TypeVar("Config")
+
+
+# ---- config dataclasses <-> flags ------------------------------------------------------------------
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def add_config_args(p: argparse.ArgumentParser, config_cls: type, helps: dict[str, str], *,
+                    skip: tuple[str, ...] = ("model",)) -> None:
+    """One flag per field of a config dataclass, so the CLI and the config cannot drift apart. A bool field
+    becomes --x/--no-x; a field's metadata may rename its flag ("flag") or default it from the environment
+    ("env"). `skip`: fields a subcommand spells itself (the positional model) or sets itself."""
+    for f in dataclasses.fields(config_cls):
+        if f.name in skip:
+            continue
+        default = os.environ.get(f.metadata["env"], f.default) if "env" in f.metadata else f.default
+        kw: dict[str, Any] = {"dest": f.name, "default": default, "help": helps.get(f.name)}
+        if f.type in ("bool", bool):
+            p.add_argument(_flag(f), action=argparse.BooleanOptionalAction, **kw)
+        else:
+            p.add_argument(_flag(f), type=_FLAG_TYPES.get(str(f.type), str), **kw)
+
+
+def config_from_args(config_cls: type[Config], args: argparse.Namespace, **overrides: Any) -> Config:
+    """The config dataclass from parsed flags (see add_config_args); `overrides` for fields the subcommand
+    sets itself rather than from a flag."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls) if f.name not in overrides}
+    return config_cls(**values, **overrides)
+
+
+def config_flags(config: Any, *, skip: tuple[str, ...] = ("model",)) -> list[str]:
+    """The fields of a config dataclass that differ from their defaults, as flags for a child process."""
+    out: list[str] = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name in skip or value == f.default:
+            continue
+        flag = _flag(f)
+        out += ([flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)])
+    return out
+
+
+def add_log_level_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default=DEFAULT_LOG_LEVEL)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, so the CLI and the config cannot drift apart."""
-    for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "model":
-            continue
-        if f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=_ENGINE_HELP.get(f.name))
-        else:
-            kind = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float,
-                    "str | None": str}.get(str(f.type), str)
-            p.add_argument(flag, type=kind, default=f.default, help=_ENGINE_HELP.get(f.name))
-    p.add_argument("--log-level", default="INFO")
+    add_config_args(p, EngineConfig, _ENGINE_HELP)
+    add_log_level_arg(p)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    return config_from_args(EngineConfig, args)
 
 
-def add_router_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
-    p.add_argument("--max-body-bytes", type=int, default=16 << 20)
-    p.add_argument("--shutdown-timeout", type=float, default=30.0)
+def add_router_args(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = ("model",)) -> None:
+    add_config_args(p, RouterConfig, _ROUTER_HELP, skip=skip)
+
+
+def router_config(args: argparse.Namespace, **overrides: Any) -> RouterConfig:
+    return config_from_args(RouterConfig, args, **overrides)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="scheduler, workers and routers on this machine")
     serve.add_argument("model", nargs="?", default=None)
     add_engine_args(serve)
-    add_router_args(serve)
+    add_router_args(serve, skip=("model", "frontend_address"))     # serve picks the address itself
     serve.add_argument("--router-replicas", type=int, default=1)
 
     sched = sub.add_parser("scheduler", help="the scheduler process alone")
@@ -76,9 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     router = sub.add_parser("router", help="one HTTP router replica alone")
     router.add_argument("model", nargs="?", default=None)
-    router.add_argument("--connect", default=DEFAULT_FRONTEND, help="the scheduler's frontend address")
     add_router_args(router)
-    router.add_argument("--log-level", default="INFO")
+    add_log_level_arg(router)
     return parser
 
 
@@ -94,10 +138,9 @@ def main(argv: list[str] | None = None) -> None:
         run_worker(engine_config(args), args.connect, args.rank)
     elif args.command == "router":
         from common.process import die_with_parent
-        from router.api_server import run_router
+        from router.serve import run_router
         die_with_parent()
-        args.engine_address = args.connect
-        run_router(args)
+        run_router(router_config(args))
     else:
         sys.exit(serve(args))
 
@@ -122,14 +165,9 @@ def serve(args: argparse.Namespace) -> int:
     for rank in range(args.tensor_parallel_size):
         spawn(exe + ["worker", *model, *flags, "--connect", workers, "--rank", str(rank)],
               {"OMP_NUM_THREADS": str(threads)} if threads else None)
-    router_flags = ["--host", args.host, "--port", str(args.port), "--connect", frontend,
-                    "--max-body-bytes", str(args.max_body_bytes), "--shutdown-timeout", str(args.shutdown_timeout),
-                    "--log-level", args.log_level]
-    if args.served_model_name:
-        router_flags += ["--served-model-name", args.served_model_name]
-    routers = [spawn(exe + ["router", *model, *router_flags], {"PAGEDSERVE_API_KEY": args.api_key or "",
-                                                                 "OMP_NUM_THREADS": "1"})
-               for _ in range(args.router_replicas)]
+    rc = router_config(args, frontend_address=frontend)
+    cmd, env = exe + ["router", *model, *router_flags(rc, args.log_level)], router_env(rc)
+    routers = [spawn(cmd, env) for _ in range(args.router_replicas)]
     stop = {"signal": None}
 
     def on_signal(signum, _frame):
@@ -142,7 +180,7 @@ def serve(args: argparse.Namespace) -> int:
         for r in routers:   # routers first: they drain in-flight requests
             if r.poll() is None:
                 r.send_signal(signal.SIGTERM)
-        _wait(routers, args.shutdown_timeout + 10)
+        _wait(routers, rc.shutdown_timeout + 10)
     finally:
         for c in children:
             if c.poll() is None:
@@ -164,14 +202,17 @@ def _wait(procs: list[subprocess.Popen], timeout: float) -> None:
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags that differ from their defaults, re-emitted for the scheduler and workers."""
-    out = ["--log-level", args.log_level]
-    for f in dataclasses.fields(EngineConfig):
-        value = getattr(args, f.name)
-        if f.name == "model" or value == f.default:
-            continue
-        flag = f.name.replace("_", "-")
-        out += ([f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)])
-    return out
+    return ["--log-level", args.log_level, *config_flags(engine_config(args))]
+
+
+def router_flags(config: RouterConfig, log_level: str) -> list[str]:
+    """The router flags that differ from their defaults, re-emitted for each child router; never the API
+    key, which goes in the environment (router_env) so that `ps` does not show it."""
+    return ["--log-level", log_level, *config_flags(config, skip=("model", "api_key"))]
+
+
+def router_env(config: RouterConfig) -> dict[str, str]:
+    return {API_KEY_ENV: config.api_key or "", "OMP_NUM_THREADS": "1"}
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ fake EngineClient."""
 from __future__ import annotations
 
 import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -15,7 +18,9 @@ from hypothesis import strategies as st
 from common.model_source import ModelSource
 from common.protocol import EngineOutput, EngineRequest, Stats, encode
 from common.sampling_params import MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, SamplingParams
-from router.api_server import build_app, drain
+from pagedserve import cli
+from router.app import build_app, drain
+from router.config import API_KEY_ENV, RouterConfig
 from router.engine_client import EngineRejected
 from router.openai_protocol import (APIError, ModelInfo, decode_json_body, parse_chat_request,
                                     parse_completion_request)
@@ -277,6 +282,35 @@ def test_fuzzed_bodies_parse_or_fail_cleanly(tok, info, body, prompt, messages):
             encode(EngineRequest("r", p.token_ids, parsed.params))        # it crosses the wire
 
 
+# ---- RouterConfig <-> the CLI ----------------------------------------------------------------------
+def test_router_flags_are_router_config_fields(monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert cli.router_config(cli.build_parser().parse_args(["router"])) == RouterConfig()
+    argv = ["router", "m", "--connect", "tcp://s:1", "--host", "0.0.0.0", "--port", "9", "--served-model-name", "x",
+            "--api-key", "k", "--max-body-bytes", "7", "--shutdown-timeout", "2.5", "--access-log"]
+    assert cli.router_config(cli.build_parser().parse_args(argv)) == RouterConfig(
+        model="m", frontend_address="tcp://s:1", host="0.0.0.0", port=9, served_model_name="x", api_key="k",
+        max_body_bytes=7, shutdown_timeout=2.5, access_log=True)
+
+
+def test_api_key_defaults_from_the_environment(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert cli.router_config(cli.build_parser().parse_args(["router"])).api_key == "from-env"
+    assert cli.router_config(cli.build_parser().parse_args(["router", "--api-key", "k"])).api_key == "k"
+
+
+def test_serve_hands_its_router_config_to_child_routers(monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    args = cli.build_parser().parse_args(["serve", "m", "--port", "8001", "--served-model-name", "x",
+                                          "--api-key", "s3cret", "--max-body-bytes", "7", "--access-log"])
+    config = cli.router_config(args, frontend_address="ipc:///tmp/f.ipc")
+    flags = cli.router_flags(config, args.log_level)
+    assert "s3cret" not in flags and cli.router_env(config)[API_KEY_ENV] == "s3cret"     # not on argv
+    monkeypatch.setenv(API_KEY_ENV, "s3cret")
+    child = cli.build_parser().parse_args(["router", "m", *flags])
+    assert cli.router_config(child) == config and child.log_level == args.log_level
+
+
 # ==== HTTP layer against a scripted engine ==========================================================
 REPLY = " Hello there, friend. The end."
 
@@ -365,15 +399,33 @@ def run_http(tok, scenario, *, engine: FakeEngine | None = None, **app_kwargs: A
         app = build_app(engine, tok, MODEL, vocab_size=len(tok), **app_kwargs)
         auth = {"Authorization": f"Bearer {app_kwargs['api_key']}"} if app_kwargs.get("api_key") else {}
         async with TestClient(TestServer(app)) as client:
-            for _ in range(200):                 # warm-up runs in the background at startup
-                if (await client.get("/ready", headers=auth)).status == 200 or not engine.ready:
-                    break
-                await asyncio.sleep(0.01)
+            if engine.ready:                     # warm-up runs in the background at startup
+                await until(lambda: is_ready(client, auth), "the router is ready after its warm-up")
             await scenario(client, engine, app)
         for t in engine.tasks:
             t.cancel()
     asyncio.run(main())
     return engine
+
+
+async def until(cond: Callable[[], bool | Awaitable[bool]], what: str, timeout: float = 5.0) -> None:
+    """Poll `cond` (a predicate, or a coroutine function) every few ms until it holds; fail the test, saying
+    `what` it waited for, if it does not within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ok = cond()
+        if inspect.isawaitable(ok):
+            ok = await ok
+        if ok:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g}s waiting until {what}")
+        await asyncio.sleep(0.005)
+
+
+async def is_ready(client, headers: dict[str, str] | None = None) -> bool:
+    async with client.get("/ready", headers=headers or {}) as r:
+        return r.status == 200
 
 
 async def post(client, path: str, body: dict, **kw):
@@ -597,10 +649,7 @@ def test_not_ready_is_503_but_alive(tok):
         assert r.status == 503 and (await r.json())["reason"]
         assert (await post(client, "/v1/completions", {"prompt": "Hi"})).status == 503
         engine.stats.ready = True
-        for _ in range(100):
-            if (await client.get("/ready")).status == 200:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: is_ready(client), "/ready answers 200 once the engine is ready")
         assert (await client.get("/ready")).status == 200
     run_http(tok, scenario, engine=FakeEngine(tok, ready=False))
 
@@ -610,19 +659,13 @@ def test_client_disconnect_aborts_the_request(tok):
         r = await post(client, "/v1/completions", {"prompt": "Hi", "max_tokens": 200, "stream": True})
         await r.content.readline()
         r.close()
-        for _ in range(200):
-            if any(i == -1 for _, i in engine.abort_calls):
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: any(i == -1 for _, i in engine.abort_calls), "the stream's request is aborted")
         assert [i for _, i in engine.abort_calls] == [-1]
         # a non-streaming request whose client goes away is cancelled and aborted too
         task = asyncio.create_task(post(client, "/v1/completions", {"prompt": "Hi", "max_tokens": 200}))
-        await asyncio.sleep(0.1)
+        await until(lambda: len(engine.added) == 2, "the non-streaming request reaches the engine")
         task.cancel()
-        for _ in range(200):
-            if len(engine.abort_calls) == 2:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: len(engine.abort_calls) == 2, "the non-streaming request is aborted")
         assert [i for _, i in engine.abort_calls] == [-1, -1]
     run_http(tok, scenario, engine=FakeEngine(tok, step_s=0.01))
 
@@ -630,7 +673,7 @@ def test_client_disconnect_aborts_the_request(tok):
 def test_drain_refuses_new_work_then_aborts_stragglers(tok):
     async def scenario(client, engine, app):
         slow = asyncio.create_task(post(client, "/v1/completions", {"prompt": "Hi", "max_tokens": 200, "n": 2}))
-        await asyncio.sleep(0.1)
+        await until(lambda: len(engine.added) == 1, "the request is running in the engine")
         await drain(app, timeout=0.1)
         r = await slow
         body = await r.json()

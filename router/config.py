@@ -1,0 +1,30 @@
+"""The settings of one router replica, each with its default stated once.
+
+The `pagedserve router` flags are generated from these fields (pagedserve/cli.py), `pagedserve serve`
+re-emits them to its child routers from a RouterConfig, and router/serve.py reads nothing else, so the
+CLI, the child processes and the server cannot disagree about a default again.
+
+A field's metadata may say how the CLI spells it: "flag" renames its flag (the frontend address has always
+been `--connect`), "env" defaults it from an environment variable, which is also how `serve` hands the
+value to its routers (the API key: never on argv, where `ps` would show it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+DEFAULT_FRONTEND = "tcp://127.0.0.1:5557"      # the scheduler's router-facing (frontend) socket
+
+
+@dataclass
+class RouterConfig:
+    """Every setting of a router replica; the `router` subcommand's flags map one-to-one onto these fields."""
+    model: str | None = None                  # whose tokenizer and config to load; the CLI's positional MODEL
+    frontend_address: str = field(default=DEFAULT_FRONTEND, metadata={"flag": "--connect"})
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None      # the model id clients send and see; default the model's name
+    api_key: str | None = field(default=None, metadata={"env": API_KEY_ENV})    # None or "": no auth
+    max_body_bytes: int = 16 << 20            # nginx's client_max_body_size (docker/nginx.conf) matches it
+    shutdown_timeout: float = 30.0            # seconds in-flight requests get to finish on SIGTERM
+    access_log: bool = False

@@ -1,0 +1,75 @@
+"""The router process: load the tokenizer, connect to the scheduler, serve HTTP until SIGTERM/SIGINT, drain.
+
+Kept apart from router/app.py so the app stays buildable in-process (tests, embedding) without sockets,
+signal handlers or a model on disk; everything this module needs to know comes in one RouterConfig.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any
+
+from aiohttp import web
+
+from common.model_source import ModelSource
+from router.app import ABORT_GRACE_S, STATE, build_app, drain
+from router.config import RouterConfig
+from router.engine_client import EngineClient
+
+log = logging.getLogger("pagedserve.router")
+
+
+def run_router(config: RouterConfig) -> None:
+    """Serve until SIGTERM/SIGINT, then drain. Uses uvloop when installed."""
+    try:
+        import uvloop
+        uvloop.run(_serve(config))
+    except ImportError:
+        asyncio.run(_serve(config))
+
+
+async def _serve(config: RouterConfig) -> None:
+    source, tokenizer, vocab_size = await _load_model(config.model)
+    client = EngineClient(config.frontend_address)
+    await client.start()
+    app = build_app(client, tokenizer, config.served_model_name or source.name, api_key=config.api_key,
+                    max_body_bytes=config.max_body_bytes, vocab_size=vocab_size, model_root=str(source.path))
+    runner = await _start_site(app, config)
+    log.info("router %s serving %s on http://%s:%s", client.client_id, app[STATE].model_name, config.host,
+             config.port)
+    stop = _stop_on_signals()
+    try:
+        await stop.wait()
+        log.info("shutting down: draining in-flight requests")
+        await drain(app, config.shutdown_timeout)
+    finally:
+        await runner.cleanup()
+        await client.close()
+
+
+async def _load_model(model: str | None) -> tuple[ModelSource, Any, int]:
+    """The model's source, tokenizer and vocabulary size; the weights stay with the workers."""
+    loop = asyncio.get_running_loop()
+    source = ModelSource.resolve(model)
+    tokenizer = await loop.run_in_executor(None, source.load_tokenizer)
+    vocab_size = (await loop.run_in_executor(None, source.model_config)).vocab_size
+    return source, tokenizer, vocab_size
+
+
+async def _start_site(app: web.Application, config: RouterConfig) -> web.AppRunner:
+    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
+                           access_log=log if config.access_log else None, shutdown_timeout=ABORT_GRACE_S)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, reuse_port=True)
+    await site.start()
+    return runner
+
+
+def _stop_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
