@@ -1,4 +1,5 @@
-"""Shared fixtures: the default model's tokenizer and tiny random-weight models built at test time."""
+"""Shared fixtures: the default model's tokenizer and tiny random-weight models built at test time, and the
+rule that every test carries exactly one tier marker."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,6 +10,16 @@ import torch
 from common.model_source import ModelSource
 
 TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")   # llama3: Llama with Llama 3 rope scaling
+TIERS = ("unit", "slow", "e2e", "gpu")
+
+
+@pytest.hookimpl(tryfirst=True)     # before -m deselects anything: an unmarked test must not just vanish
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test belongs to exactly one tier, so `-m unit` (or slow, e2e, gpu) selects a whole, known set."""
+    wrong = [f"{item.nodeid}: {tiers or 'no tier'}" for item in items
+             if len(tiers := [t for t in TIERS if item.get_closest_marker(t)]) != 1]
+    if wrong:
+        raise pytest.UsageError("tests need exactly one of the markers " + ", ".join(TIERS) + ":\n" + "\n".join(wrong))
 
 
 @pytest.fixture(scope="session")
@@ -16,12 +27,15 @@ def default_tokenizer():
     return ModelSource.resolve(None).load_tokenizer()
 
 
-def build_tiny_model(folder: Path, arch: str, tokenizer, seed: int = 0) -> Path:
-    """Save a random-weight model of `arch` (with the default tokenizer) as a Hugging Face folder."""
+def build_tiny_model(folder: Path, arch: str, tokenizer, seed: int = 0, widen: bool = True, **overrides) -> Path:
+    """Save a random-weight model of `arch` (with the default tokenizer) as a Hugging Face folder: the one
+    builder every test uses. `widen` spreads the weights so greedy choices are rarely near-ties; without
+    it the logits stay nearly flat (HF's own init). `overrides` replace config fields."""
     import transformers as tf
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False)
+    common.update(overrides)
     if arch == "llama":
         cfg = tf.LlamaConfig(**common, rope_theta=10000.0)
         cls = tf.LlamaForCausalLM
@@ -44,7 +58,7 @@ def build_tiny_model(folder: Path, arch: str, tokenizer, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = cls(cfg)
     with torch.no_grad():   # random init is tiny; widen it so logits are not all near-ties
-        for name, p in model.named_parameters():
+        for name, p in model.named_parameters() if widen else ():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
             elif "bias" in name:

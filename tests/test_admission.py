@@ -9,6 +9,8 @@ from common.sampling_params import SamplingParams
 from scheduler.admission import RequestRejected, validate_request
 from scheduler.config import SchedulerConfig
 
+pytestmark = pytest.mark.unit
+
 CFG = SchedulerConfig(max_model_len=64, vocab_size=100, block_size=4, num_blocks=8, max_num_seqs=4,
                       max_waiting_requests=2, max_waiting_tokens=20)
 

@@ -15,6 +15,8 @@ from scheduler.block_pool import BlockPool
 from scheduler.kv_cache_manager import KVCacheManager, cdiv
 from scheduler.sequence import Sequence, hash_block
 
+pytestmark = pytest.mark.unit
+
 
 def make_req(seq_id: str, tokens: list[int], prompt_logprobs: int | None = None) -> Sequence:
     sp = SamplingParams(max_tokens=64, prompt_logprobs=prompt_logprobs)

@@ -10,6 +10,8 @@ from pagedserve import LLM, SamplingParams
 from tests.conftest import TINY_ARCHS
 from tests.hf_reference import compare_greedy, hf_greedy
 
+pytestmark = pytest.mark.slow
+
 MAX_NEW = 12
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -9,6 +9,8 @@ import pytest
 from common.detokenizer import IncrementalDetokenizer, token_texts
 from common.model_source import ModelSource
 
+pytestmark = pytest.mark.unit
+
 IM_END = 2  # <|im_end|> in the default model's vocabulary
 
 ENGLISH = "The quick brown fox jumps over the lazy dog. It's 3:45 p.m., isn't it?"

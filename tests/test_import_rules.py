@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parent.parent
 OURS = {"common", "scheduler", "router", "gpu_worker", "pagedserve", "loadtest", "tests"}
 ALLOWED = {

@@ -8,6 +8,8 @@ import pytest
 from common.config import ModelConfig
 from common.model_source import DEFAULT_MODEL, ModelNotFound, ModelSource
 
+pytestmark = pytest.mark.unit
+
 TINY = dict(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
             max_position_embeddings=32768)
 

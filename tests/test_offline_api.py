@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.model_source import ModelSource
 from pagedserve import LLM, SamplingParams
 from pagedserve.llm import CompletionOutput, RequestOutput
+from tests.conftest import build_tiny_model
+
+pytestmark = pytest.mark.slow
 
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog."
 OTHER_TEXTS = [
@@ -43,18 +45,12 @@ class Tiny:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
-    import transformers as tf
-    tokenizer = ModelSource.resolve(None).load_tokenizer()
-    folder = tmp_path_factory.mktemp("tiny-llama-offline")
-    config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                            tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(config)
-    model.save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
-    model = model.float().eval()
+def tiny(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> Tiny:
+    from transformers import AutoModelForCausalLM
+    tokenizer = default_tokenizer
+    folder = build_tiny_model(tmp_path_factory.mktemp("tiny-llama-offline"), "llama", tokenizer, widen=False,
+                              max_position_embeddings=512)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     llm = LLM(model=str(folder), dtype="float32", kv_cache_memory=0.02, swap_space=0)
     return Tiny(folder, tokenizer, model, llm, tokenizer.encode(PROMPT_TEXT),
                 [tokenizer.encode(t) for t in OTHER_TEXTS])

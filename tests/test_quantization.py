@@ -8,6 +8,8 @@ import torch
 from gpu_worker.layers.linear import Linear, linear_method, set_linear_method
 from pagedserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_int8_linear_is_close_to_fp32(rows):

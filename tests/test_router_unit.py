@@ -25,6 +25,8 @@ from router.engine_client import EngineRejected
 from router.openai_protocol import (APIError, ModelInfo, decode_json_body, parse_chat_request,
                                     parse_completion_request)
 
+pytestmark = pytest.mark.unit
+
 MODEL = "test-model"
 MAX_LEN = 256
 

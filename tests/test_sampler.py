@@ -15,6 +15,8 @@ from common.sampling_params import SamplingParams
 from gpu_worker.sampler import SamplingBatch, apply_penalties, build_sampling_batch, prompt_logprobs, sample
 from gpu_worker.step_inputs import SequenceState
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 64
 NEG_INF = float("-inf")
 

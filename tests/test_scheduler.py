@@ -19,7 +19,11 @@ from common.protocol import EngineOutput, EngineRequest, ModelRunnerOutput, Sche
 from common.sampling_params import SamplingParams
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.sequence import Status
-from scheduler.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from scheduler.admission import RequestRejected
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler import Scheduler
+
+pytestmark = pytest.mark.unit
 
 EOS = 2
 SlotRecord = tuple[int, int]   # (position, token) written into one KV slot

@@ -1,9 +1,12 @@
 """SequenceGroup: birth of the n - 1 forked choices, aborting one choice or all, and when the group ends."""
 from __future__ import annotations
 
+import pytest
 from common.sampling_params import SamplingParams
 from scheduler.sequence import Sequence, Status
 from scheduler.sequence_group import SequenceGroup
+
+pytestmark = pytest.mark.unit
 
 
 def group(n: int, seed: int | None = None) -> SequenceGroup:

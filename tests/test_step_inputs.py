@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 import torch
 
 from common.sampling_params import SamplingParams
 from gpu_worker.step_inputs import SequenceState, build_step_inputs
+
+pytestmark = pytest.mark.unit
 
 CPU = torch.device("cpu")
 BS = 4

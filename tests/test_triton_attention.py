@@ -20,6 +20,8 @@ from gpu_worker.attention import AttentionMetadata  # noqa: E402
 from gpu_worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from gpu_worker.attention.triton_backend import TritonAttentionBackend, _interpret_mode  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=2e-2)}
 
