@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import EngineConfig
+from common.model_source import ModelSource
 from common.protocol import (EngineOutputs, EngineRequest, ModelRunnerOutput, SchedulerOutput, decode,
                              encode)
 from common.sampling_params import SamplingParams
@@ -55,7 +56,8 @@ class FakeRunner:
 
 
 def _scheduler(num_seqs: int, prompt_len: int, max_tokens: int):
-    from scheduler.scheduler import Scheduler, SchedulerConfig
+    from scheduler.config import SchedulerConfig
+    from scheduler.scheduler import Scheduler
     ec = EngineConfig()   # the engine's defaults: token budget, prefix caching, block size
     blocks = num_seqs * (-(-(prompt_len + max_tokens) // ec.block_size)) + 16
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=ec.max_num_batched_tokens, max_num_seqs=max(num_seqs, 1),
@@ -138,31 +140,15 @@ def ipc_cost(sample: StepSample, repeats: int = 300) -> dict[str, Any]:
     return out
 
 
-def build_tiny_llama(folder: Path, seed: int = 0) -> Path:
-    """A 2-layer, hidden-64 random Llama with the default tokenizer (as the tests build): cheap enough that the
-    serving path, not the model, dominates each step."""
-    import torch
-    import transformers as tf
-
-    from common.model_source import ModelSource
-    tok = ModelSource.resolve(None).load_tokenizer()
-    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    tf.LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
-    tok.save_pretrained(folder)
-    return folder
-
-
 def router_overhead(reqs: list[BenchRequest], concurrency: int = 16, threads: int | None = None) -> dict[str, Any]:
     """Wall time per streamed token: the server at `concurrency` vs offline LLM.generate, same tiny model."""
     from loadtest.http_client import run_closed_loop
     from loadtest.pagedserve_runs import greedy, make_llm, server_flags
     from loadtest.server import PagedServeServer
+    from loadtest.tiny_model import build_tiny_model
     tokens = sum(r.max_tokens for r in reqs)
     with tempfile.TemporaryDirectory(prefix="pagedserve-tiny-") as tmp:
-        folder = build_tiny_llama(Path(tmp))
+        folder = build_tiny_model(Path(tmp), "llama", ModelSource.resolve(None).load_tokenizer(), widen=False)
         llm = make_llm(threads, str(folder), kv_cache_memory=0.5)
         try:
             llm.generate([list(range(100, 116))], [greedy(4)], use_tqdm=False)
@@ -203,11 +189,15 @@ def run_all(reqs: list[BenchRequest], quick: bool = False, threads: int | None =
     return results
 
 
+def _failed(name: str, row: dict[str, Any]) -> str | None:
+    return f"  {name}: n/a ({row['error']})" if "error" in row else None
+
+
 def format_micro(m: dict[str, Any]) -> str:
     lines = ["microbenchmarks:"]
     s = m.get("scheduler", {})
-    if "error" in s:
-        lines.append(f"  scheduler: n/a ({s['error']})")
+    if failed := _failed("scheduler", s):
+        lines.append(failed)
     elif s:
         lines.append(f"  scheduler @ {s['num_seqs']} running: {s['step_ms_mean']:.2f} ms/step "
                      f"(schedule {s['schedule_ms_mean']:.2f} + update {s['update_ms_mean']:.2f}; p50 "
@@ -220,8 +210,8 @@ def format_micro(m: dict[str, Any]) -> str:
         lines.append(f"  ipc @ {i['num_seqs']} decodes: {i['total_bytes_per_step']} B/step, "
                      f"{i['total_us_per_step']:.0f} us encode+decode per step; {parts}")
     r = m.get("router", {})
-    if "error" in r:
-        lines.append(f"  router: n/a ({r['error']})")
+    if failed := _failed("router", r):
+        lines.append(failed)
     elif r:
         lines.append(f"  router (tiny model, concurrency {r['concurrency']}, {r['tokens']} tokens): "
                      f"{r['http_us_per_token']:.0f} us/token over HTTP vs {r['offline_us_per_token']:.0f} offline = "

@@ -131,11 +131,9 @@ class Scheduler:
         return out
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
-        num_seqs = sum(self._num_seqs(r) for r in self.running)
-        while self.swapped and budget > 0:
+        num_seqs = self._num_running_seqs()
+        while self.swapped and budget > 0 and self._may_start(self.swapped[0], num_seqs):
             seq = self.swapped[0]
-            if seq.num_pending or num_seqs + self._num_seqs(seq) > self.config.max_num_seqs:
-                break
             n = min(seq.num_tokens_to_compute, budget)
             if not self.kv.can_swap_in(seq, n):
                 break
@@ -148,11 +146,9 @@ class Scheduler:
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        num_seqs = sum(self._num_seqs(r) for r in self.running)
-        while self.waiting and budget > 0:
+        num_seqs = self._num_running_seqs()
+        while self.waiting and budget > 0 and self._may_start(self.waiting[0], num_seqs):
             seq = self.waiting[0]
-            if seq.num_pending or num_seqs + self._num_seqs(seq) > self.config.max_num_seqs:
-                break
             hits = self.kv.get_computed_blocks(seq)
             num_hit = len(hits) * self.config.block_size
             seq.num_computed_tokens = num_hit
@@ -176,6 +172,13 @@ class Scheduler:
         self.running.append(seq)
         self._emit(seq, n, alloc, out)
         return self._num_seqs(seq)
+
+    def _num_running_seqs(self) -> int:
+        return sum(self._num_seqs(s) for s in self.running)
+
+    def _may_start(self, seq: Sequence, num_running: int) -> bool:
+        """Its in-flight sample is back, and it (with the unborn choices it brings) fits max_num_seqs."""
+        return not seq.num_pending and num_running + self._num_seqs(seq) <= self.config.max_num_seqs
 
     def _num_seqs(self, seq: Sequence) -> int:
         """Running sequences seq is or will become: an unforked parent brings its unborn siblings."""

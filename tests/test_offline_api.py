@@ -15,7 +15,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.llm import CompletionOutput, RequestOutput
-from tests.conftest import build_tiny_model
+from loadtest.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
