@@ -64,9 +64,6 @@ class CachedSequenceData:
     block_ids: list[int]
     num_computed_tokens: int
     num_new_tokens: int
-    # Draft tokens to verify after the known ones (speculative decoding): the worker runs them in the same
-    # pass and samples at each of the k + 1 positions. num_new_tokens counts them.
-    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -78,6 +75,10 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)       # (src, dst) device blocks
+    # Draft tokens to verify after the known ones (speculative decoding), only for sequences that have
+    # some: the worker runs them in the same pass and samples at each of the k + 1 positions; the
+    # sequence's num_new_tokens counts them.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_tokens(self) -> int:

@@ -182,8 +182,8 @@ class ModelRunner:
             del st.block_ids[r.blocks_from:]
             st.block_ids.extend(r.block_ids)
             st.num_computed_tokens = r.num_computed_tokens
-            if r.spec_token_ids:
-                raise NotImplementedError("draft tokens arrived, but no verifier is wired into this runner yet")
+        if sched.spec_token_ids:
+            raise NotImplementedError("draft tokens arrived, but no verifier is wired into this runner yet")
 
     @staticmethod
     def _copy_blocks(src_caches, dst_caches, pairs) -> None:

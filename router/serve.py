@@ -24,9 +24,10 @@ def run_router(config: RouterConfig) -> None:
     """Serve until SIGTERM/SIGINT, then drain. Uses uvloop when installed."""
     try:
         import uvloop
-        uvloop.run(_serve(config))
-    except ImportError:
+    except ImportError:       # only the import: an ImportError raised while serving must not restart it
         asyncio.run(_serve(config))
+    else:
+        uvloop.run(_serve(config))
 
 
 async def _serve(config: RouterConfig) -> None:

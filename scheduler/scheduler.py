@@ -182,6 +182,8 @@ class Scheduler:
 
     def _num_seqs(self, seq: Sequence) -> int:
         """Running sequences seq is or will become: an unforked parent brings its unborn siblings."""
+        if seq.index or seq.sampling_params.n == 1:    # per step for every running sequence: skip the lookup
+            return 1
         return self.groups[seq.request_id].num_seqs_brought(seq)
 
     def _emit(self, seq: Sequence, n: int, alloc: tuple[list[tuple[int, int]], int], out: SchedulerOutput) -> None:
