@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+
 import torch
 
 from common.config import EngineConfig, ModelConfig

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from common.protocol import EngineOutput, EngineRequest, ModelRunnerOutput, SchedulerOutput
 from common.sampling_params import SamplingParams
-from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.sequence import Status
 from scheduler.admission import RequestRejected
 from scheduler.config import SchedulerConfig
