@@ -3,8 +3,9 @@
 The live test reads docker/docker-compose.yml, takes the command of scheduler, worker, router1 and router2
 (the image's ENTRYPOINT is `pagedserve`), moves every listener to 127.0.0.1 on a free port (consistently:
 `tcp://scheduler:5557` in a router follows the scheduler's `tcp://0.0.0.0:5557`), shrinks the KV cache,
-starts them in depends_on order and puts a tiny round-robin TCP proxy (standing in for nginx) in front of
-the two routers. The static tests check the rest of docker/: the Dockerfile, nginx, Prometheus, Grafana.
+starts each once the services it depends on are up and puts a tiny round-robin TCP proxy (standing in for
+nginx) in front of the two routers. The static tests check the rest of docker/: the Dockerfile,
+nginx, Prometheus, Grafana.
 """
 from __future__ import annotations
 
@@ -18,14 +19,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.server_utils import REPO, free_port, wait_ready
+from tests.server_utils import REPO, assert_running, free_port, listens, spawn, wait_ready, wait_until
 
 DOCKER = REPO / "docker"
 COMPOSE = DOCKER / "docker-compose.yml"
@@ -271,23 +271,25 @@ def test_compose_services_run_locally(tmp_path: Path) -> None:
         return "\n".join(f"---- {n} (rc={procs[n].poll()}): {' '.join(commands[n])}\n"
                          + logs[n].read_text(errors="replace")[-3000:] for n in procs)
 
+    def listening(name: str) -> bool:
+        """`name` runs and listens on every port it binds (none, for the worker)."""
+        return assert_running(procs, dump_logs) and all(listens(loc.ports[(owner, port)])
+                                                        for owner, port in loc.binds if owner == name)
+
     try:
         for name in order:
+            # depends_on: compose starts a service once those it depends on are healthy. Their compose
+            # healthchecks only ask whether the process runs; here they must also listen where the others
+            # connect to (the scheduler's ZeroMQ ports), and still be running.
+            for dep in depends_on(services[name]):
+                wait_until(lambda: listening(dep), 60, lambda: f"{dep} listening on its ports\n{dump_logs()}")
             logs[name] = tmp_path / f"{name}.log"
-            env = {**os.environ, "PAGEDSERVE_API_KEY": "", **environment_of(services[name])}
-            with open(logs[name], "wb") as f:
-                # `pagedserve ARGS` is `python -m pagedserve.cli ARGS` with this interpreter
-                procs[name] = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", *commands[name]],
-                                               stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-            time.sleep(0.2)
-            assert procs[name].poll() is None, dump_logs()   # what the compose process checks stand for
+            procs[name] = spawn(commands[name], logs[name],   # `pagedserve ARGS` from the compose command
+                                {"PAGEDSERVE_API_KEY": "", **environment_of(services[name])})
 
         router_urls = {r: f"http://127.0.0.1:{loc.ports[(r, 8000)]}" for r in ROUTERS}
         for r, url in router_urls.items():
-            try:
-                wait_ready(url, timeout=150, proc=procs[r])
-            except (RuntimeError, TimeoutError) as e:
-                raise AssertionError(f"{r}: {e}\n{dump_logs()}") from None
+            wait_ready(url, procs, 150, dump_logs)      # fails at once if any service exits meanwhile
             assert all(p.poll() is None for p in procs.values()), dump_logs()
             assert run_healthcheck(services[r], loc.ports[(r, 8000)]) == 0
 
@@ -330,12 +332,8 @@ def test_compose_services_run_locally(tmp_path: Path) -> None:
         # graceful stop, in reverse dependency order, as `docker compose down` does
         for name in reversed(order):
             procs[name].send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 40
-        for name in reversed(order):
-            try:
-                procs[name].wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"{name} did not exit on SIGTERM\n{dump_logs()}") from None
+        wait_until(lambda: all(p.poll() is not None for p in procs.values()), 40, lambda: "every service exiting on "
+                   f"SIGTERM: {[n for n, p in procs.items() if p.poll() is None]} did not\n{dump_logs()}", interval=0.1)
         for r in ROUTERS:
             assert procs[r].returncode == 0, dump_logs()
         for name, p in procs.items():

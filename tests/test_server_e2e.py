@@ -9,6 +9,7 @@ Three servers, each started once for the module (starting one costs tens of seco
   * `replica_server`: the tiny model behind two router replicas; the abort storm, 64 concurrent streams,
     then the kill -9 test, which breaks it.
 Tests that stop or break a server come last among that server's tests (pytest runs them in file order).
+Waiting is always for a condition, polled until a deadline (`wait_until`), never a fixed sleep.
 """
 from __future__ import annotations
 
@@ -18,10 +19,7 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +28,7 @@ import openai
 import pytest
 
 from common.protocol import HEARTBEAT_S
-from tests.server_utils import REPO, Server, free_port, run_server
+from tests.server_utils import Server, async_wait_until, run_server, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,37 +52,10 @@ def log_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("e2e-logs")
 
 
-@contextmanager
-def run_server_with_key(*args: str, log_dir: Path, api_key: str, ready_timeout: float = 180.0):
-    """run_server for a server behind --api-key: its /ready answers 401 without the key."""
-    port = free_port()
-    log_path = log_dir / f"serve-{port}.log"
-    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", *args, "--api-key", api_key,
-           "--host", "127.0.0.1", "--port", str(port)]
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO)
-    server = Server(proc, port, log_path)
-    try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{server.log()[-3000:]}"
-            try:
-                auth = {"Authorization": f"Bearer {api_key}"}
-                if request(server, "GET", "/ready", headers=auth, timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"not ready after {ready_timeout}s:\n{server.log()[-3000:]}"
-            time.sleep(0.3)
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.fixture(scope="module")
 def default_server(log_dir):
-    with run_server_with_key(*SMALL_KV, "--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes",
-                             str(MAX_BODY_BYTES), log_dir=log_dir, api_key=API_KEY) as s:
+    with run_server(*SMALL_KV, "--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes", str(MAX_BODY_BYTES),
+                    log_dir=log_dir, api_key=API_KEY) as s:
         yield s
 
 
@@ -99,12 +70,14 @@ def queue_server(log_dir, tiny_model):
 def replica_server(log_dir, tiny_model):
     with run_server(str(tiny_model("llama")), *SMALL_KV, "--router-replicas", "2", log_dir=log_dir) as s:
         # /ready answered by one replica says nothing of the other (the kernel spreads connections over
-        # both): wait for a run of fresh connections that all find a ready replica
-        deadline, streak = time.monotonic() + 60, 0
-        while streak < 20:
+        # both): wait for a run of 20 fresh connections that all find a ready replica
+        streak = 0
+
+        def twenty_ready_in_a_row() -> bool:
+            nonlocal streak
             streak = streak + 1 if request(s, "GET", "/ready", timeout=5)[0] == 200 else 0
-            assert time.monotonic() < deadline, "the second router replica never became ready"
-            time.sleep(0.02)
+            return streak >= 20
+        wait_until(twenty_ready_in_a_row, 60, "the second router replica to become ready", interval=0.02)
         yield s
 
 
@@ -194,9 +167,11 @@ def wait_idle(server: Server, headers: dict[str, str] | None = None, timeout: fl
     """Poll /metrics until nothing runs, waits or holds KV blocks. The gauges are the scheduler's last
     heartbeat (every 0.5 s), so one idle scrape may predate the work just sent: idle must hold for three
     heartbeats."""
-    deadline = time.monotonic() + timeout
-    idle_since = None
-    while True:
+    idle_since: float | None = None
+    m: dict[str, float] = {}
+
+    def idle_for_three_heartbeats() -> dict[str, float] | None:
+        nonlocal idle_since, m
         m = scrape(server, headers)
         idle = all(metric(m, "pagedserve:" + g) == 0 for g in ("num_requests_running", "num_requests_waiting",
                                                                "num_requests_swapped", "kv_cache_usage_perc"))
@@ -207,10 +182,9 @@ def wait_idle(server: Server, headers: dict[str, str] | None = None, timeout: fl
             idle_since = now
         elif now - idle_since >= 3 * HEARTBEAT_S:
             return m
-        if now > deadline:
-            raise AssertionError(f"server not idle after {timeout}s: " + str({k: v for k, v in m.items()
-                                 if "num_requests" in k or "kv_cache" in k}))
-        time.sleep(0.1)
+        return None
+    return wait_until(idle_for_three_heartbeats, timeout, lambda: "the server to be idle: " + str(
+        {k: v for k, v in m.items() if "num_requests" in k or "kv_cache" in k}), interval=0.1)
 
 
 def pid_alive(pid: int) -> bool:
@@ -221,17 +195,19 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def assert_all_exit(pids: list[int], timeout: float = 5.0) -> None:
+    """Every one of `pids` (serve's children, after serve itself exited) is gone within `timeout`."""
+    wait_until(lambda: not any(pid_alive(p) for p in pids), timeout,
+               lambda: f"processes left after serve exited: {[p for p in pids if pid_alive(p)]}", interval=0.1)
+
+
 def terminate_and_check(server: Server, timeout: float = 60.0) -> int:
     """SIGTERM the supervisor as a user would, and check that it exits and leaves no child behind."""
     children = server.children()
     assert children, "serve has no children"
     server.proc.send_signal(signal.SIGTERM)
     rc = server.proc.wait(timeout)
-    deadline = time.monotonic() + 5
-    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [p for p in children if pid_alive(p)]
-    assert not left, f"processes left after serve exited: {left}"
+    assert_all_exit(children)
     return rc
 
 
@@ -529,15 +505,14 @@ def test_prefix_cache_hits_are_reported(default_server, default_tokenizer):
     assert first["usage"]["prompt_tokens"] == second["usage"]["prompt_tokens"] == n_prompt
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert 3 * 16 <= cached < n_prompt and cached % 16 == 0, second["usage"]
-    deadline = time.monotonic() + 5      # the counters come with the scheduler's next heartbeat
-    while True:
-        after = scrape(default_server, AUTH)
-        hits = (metric(after, "pagedserve:prefix_cache_hits_total")
+    hits = 0.0
+
+    def hits_counted() -> bool:      # the counters come with the scheduler's next heartbeat
+        nonlocal hits
+        hits = (metric(scrape(default_server, AUTH), "pagedserve:prefix_cache_hits_total")
                 - metric(before, "pagedserve:prefix_cache_hits_total"))
-        if hits >= cached or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert hits >= cached
+        return hits >= cached
+    wait_until(hits_counted, 5, lambda: f"prefix_cache_hits_total to grow by {cached}, not {hits}", interval=0.2)
 
 
 def test_metrics_names(default_server):
@@ -648,10 +623,9 @@ def test_429_when_the_queue_is_full(queue_server):
             assert err["type"] == "rate_limit_error"
         else:
             assert body["choices"][0]["finish_reason"] in ("length", "stop")
-    deadline = time.monotonic() + 5     # the scheduler's counters arrive with its next heartbeat
-    while metric(scrape(queue_server), "pagedserve:admission_rejections_total") < statuses.count(429):
-        assert time.monotonic() < deadline, "admission_rejections_total does not count the 429s"
-        time.sleep(0.1)
+    # the scheduler's counters arrive with its next heartbeat
+    wait_until(lambda: metric(scrape(queue_server), "pagedserve:admission_rejections_total")
+               >= statuses.count(429), 5, "admission_rejections_total counting the 429s", interval=0.1)
     wait_idle(queue_server)
     healthy_generation(queue_server)
 
@@ -679,21 +653,37 @@ async def _drain_scenario(server: Server, max_tokens: int) -> dict[str, Any]:
         running = asyncio.create_task(streamed(started))
         await asyncio.wait_for(started.wait(), 30)
         waiting = asyncio.create_task(full())
-        deadline = time.monotonic() + 10
-        while metric(await asyncio.to_thread(scrape, server), "pagedserve:num_requests_waiting") < 1:
-            assert time.monotonic() < deadline and not waiting.done(), waiting.result() if waiting.done() else ""
-            await asyncio.sleep(0.05)
+
+        async def queued() -> bool:
+            assert not waiting.done(), waiting.result()      # it must wait for the slot, not finish or fail
+            return metric(await asyncio.to_thread(scrape, server), "pagedserve:num_requests_waiting") >= 1
+        await async_wait_until(queued, 10, "the second request waiting in the queue")
         assert not running.done(), "the first request finished before SIGTERM; make it longer"
         server.proc.send_signal(signal.SIGTERM)
         out["sigterm_at"] = time.monotonic()
-        await asyncio.sleep(0.5)                 # the supervisor polls every 0.2 s before it tells the routers
-        while not (running.done() and waiting.done()):
+
+        async def draining() -> bool:
+            """The supervisor polls every 0.2 s before it tells the routers: until then a new request would
+            still be admitted (and get a 429, the queue being full). /ready changes nothing on the server."""
+            try:
+                async with session.get(f"{url}/ready") as r:
+                    return r.status == 503
+            except aiohttp.ClientConnectionError:
+                return True                  # the router no longer accepts connections: past the drain's start
+        await async_wait_until(draining, 10, "the router to report draining on /ready after SIGTERM")
+
+        async def both_done_or_a_late_request() -> bool:
+            if running.done() and waiting.done():
+                return True
             try:
                 async with session.post(f"{url}/v1/completions", json={"prompt": "late", "max_tokens": 1}) as r:
                     out["new"].append((r.status, await r.json()))
             except aiohttp.ClientConnectionError:
                 out["new"].append(("refused", None))
-            await asyncio.sleep(0.1)
+            return False
+        # the drain lets them run for --shutdown-timeout (10 s), then aborts them and gives them 5 s more
+        await async_wait_until(both_done_or_a_late_request, 60, "both in-flight requests finishing in the drain",
+                               interval=0.1)
         out["done_at"] = time.monotonic()
         out["stream"], out["full"] = running.result(), waiting.result()
     return out
@@ -724,11 +714,8 @@ def test_sigterm_drains_in_flight_requests(queue_server):
             assert_error(status, body, 503)
     assert any(s == 503 for s, _ in out["new"]), out["new"]
     rc = queue_server.proc.wait(60)
-    assert rc == 0, queue_server.log()[-3000:]
-    deadline = time.monotonic() + 5
-    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in children if pid_alive(p)]
+    assert rc == 0, queue_server.log_tail()
+    assert_all_exit(children)
 
 
 # ---- 5. abort storm ----------------------------------------------------------------------------------
@@ -848,11 +835,12 @@ async def _streams_then_kill(url: str, n: int, worker_pid: int) -> list[tuple[in
 
 @pytest.mark.timeout(180)
 def test_kill_worker_fails_streams_and_readiness(replica_server):
-    wait_idle(replica_server)
-    children = replica_server.children()
+    server = replica_server
+    wait_idle(server)
+    children = server.children()
     workers = [p for p in children if " worker " in f" {_cmdline(p)} "]
     assert len(workers) == 1, [_cmdline(p) for p in children]
-    results = asyncio.run(_streams_then_kill(replica_server.url, 6, workers[0]))
+    results = asyncio.run(_streams_then_kill(server.url, 6, workers[0]))
     for status, raw in results:
         if status != 200:
             assert 500 <= status < 600, (status, raw)
@@ -860,20 +848,20 @@ def test_kill_worker_fails_streams_and_readiness(replica_server):
         assert raw.endswith(b"data: [DONE]\n\n"), raw[-500:]
         last = parse_sse(raw)[-1]
         assert "error" in last and set(last["error"]) == {"message", "type", "param", "code"}, last
-    deadline = time.monotonic() + 5
-    while True:
-        status, _, data = request(replica_server, "GET", "/ready", timeout=5)
-        if status == 503:
-            break
-        assert time.monotonic() < deadline, f"/ready still {status} {data!r}"
-        time.sleep(0.1)
+    status, data = 0, b""
+
+    def not_ready() -> bool:
+        nonlocal status, data
+        status, _, data = request(server, "GET", "/ready", timeout=5)
+        return status == 503
+    wait_until(not_ready, 5, lambda: f"/ready answering 503, not {status} {data!r}", interval=0.1)
     assert json.loads(data)["status"] == "unavailable"
-    status, body = post_json(replica_server, CMPL, {"prompt": "Hi", "max_tokens": 1})
+    status, body = post_json(server, CMPL, {"prompt": "Hi", "max_tokens": 1})
     assert_error(status, body, 503)
-    status, _, _ = request(replica_server, "GET", "/health")
+    status, _, _ = request(server, "GET", "/health")
     assert status == 200
-    rc = terminate_and_check(replica_server)
-    assert rc == 0, replica_server.log()[-3000:]
+    rc = terminate_and_check(server)
+    assert rc == 0, server.log_tail()
 
 
 def _cmdline(pid: int) -> str:
