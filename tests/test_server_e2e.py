@@ -1,14 +1,14 @@
 """End-to-end tests of `pagedserve serve` over real HTTP: the OpenAI SDK, raw SSE shapes, the bad-input
 matrix, back-pressure (429), an abort storm, two router replicas, a killed worker and a graceful SIGTERM.
 
-Three servers, each started once for the module (starting one costs tens of seconds on a small machine):
+Three servers are started once for the module (starting one costs tens of seconds on a small machine):
   * `default_server`: the default model (SmolLM2) with a small max_model_len, a small body limit and an API
     key; tests that look at real text (detokenization, stop strings, prefix caching) run here.
-  * `queue_server`: the tiny random-weight model with one running and one waiting slot; the 429 test,
-    then the SIGTERM test, which stops it.
-  * `replica_server`: the tiny model behind two router replicas; the abort storm, 64 concurrent streams,
-    then the kill -9 test, which breaks it.
-Tests that stop or break a server come last among that server's tests (pytest runs them in file order).
+  * `queue_server`: the tiny random-weight model with one running and one waiting slot; the 429 test.
+  * `replica_server`: the tiny model behind two router replicas; the abort storm and 64 concurrent streams.
+The two tests that stop or break a server get one of their own, configured as above (`draining_server`
+for SIGTERM, `doomed_replica_server` for kill -9), so no test depends on which others ran before it.
+Every test sets up the state it checks (requests it sends itself), so each one passes when run alone.
 Waiting is always for a condition, polled until a deadline (`wait_until`), never a fixed sleep.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ import os
 import re
 import signal
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,15 +60,15 @@ def default_server(log_dir):
         yield s
 
 
-@pytest.fixture(scope="module")
-def queue_server(log_dir, tiny_model):
-    with run_server(str(tiny_model("llama")), *SMALL_KV, "--max-num-seqs", "1", "--max-waiting-requests", "1",
-                    "--shutdown-timeout", "10", log_dir=log_dir) as s:
-        yield s
+def run_queue_server(log_dir: Path, tiny_model):
+    """The tiny model with one running and one waiting slot."""
+    return run_server(str(tiny_model("llama")), *SMALL_KV, "--max-num-seqs", "1", "--max-waiting-requests", "1",
+                      "--shutdown-timeout", "10", log_dir=log_dir)
 
 
-@pytest.fixture(scope="module")
-def replica_server(log_dir, tiny_model):
+@contextmanager
+def run_replica_server(log_dir: Path, tiny_model):
+    """The tiny model behind two router replicas, both ready."""
     with run_server(str(tiny_model("llama")), *SMALL_KV, "--router-replicas", "2", log_dir=log_dir) as s:
         # /ready answered by one replica says nothing of the other (the kernel spreads connections over
         # both): wait for a run of 20 fresh connections that all find a ready replica
@@ -79,6 +80,22 @@ def replica_server(log_dir, tiny_model):
             return streak >= 20
         wait_until(twenty_ready_in_a_row, 60, "the second router replica to become ready", interval=0.02)
         yield s
+
+
+def tiny_server_fixture(name: str, start, scope: str):
+    """A fixture `name` yielding the server `start(log_dir, tiny_model)` runs; scope "function" gives each test
+    that asks for it a server of its own."""
+    def fixture(log_dir, tiny_model):
+        with start(log_dir, tiny_model) as s:
+            yield s
+    return pytest.fixture(fixture, scope=scope, name=name)
+
+
+queue_server = tiny_server_fixture("queue_server", run_queue_server, "module")
+replica_server = tiny_server_fixture("replica_server", run_replica_server, "module")
+# The SIGTERM test stops its server and the kill -9 test breaks its: each gets one of its own.
+draining_server = tiny_server_fixture("draining_server", run_queue_server, "function")
+doomed_replica_server = tiny_server_fixture("doomed_replica_server", run_replica_server, "function")
 
 
 @pytest.fixture(scope="module")
@@ -428,15 +445,20 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
-def test_bad_input(default_server, case):
+def check_bad_input(server: Server, case: tuple) -> None:
+    """Send one BAD_INPUTS case and check that it is refused with its status and a typed error."""
     _, path, body, ctype, expected, param = case
     if isinstance(body, bytes):
-        status, _, data = request(default_server, "POST", path, raw=body, content_type=ctype, headers=AUTH)
+        status, _, data = request(server, "POST", path, raw=body, content_type=ctype, headers=AUTH)
     else:
-        status, _, data = request(default_server, "POST", path, body, headers=AUTH)
+        status, _, data = request(server, "POST", path, body, headers=AUTH)
     assert status != 500
     assert_error(status, json.loads(data), expected, param)
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input(default_server, case):
+    check_bad_input(default_server, case)
 
 
 def test_prompt_over_max_model_len_names_both_numbers(default_server):
@@ -472,6 +494,8 @@ def test_api_key(default_server):
 
 
 def test_server_healthy_after_bad_inputs(default_server):
+    for case in BAD_INPUTS:      # the whole matrix, here, whether or not test_bad_input ran before
+        check_bad_input(default_server, case)
     status, _, data = request(default_server, "GET", "/ready", headers=AUTH)
     assert status == 200, data
     healthy_generation(default_server, AUTH)
@@ -516,9 +540,20 @@ def test_prefix_cache_hits_are_reported(default_server, default_tokenizer):
 
 
 def test_metrics_names(default_server):
-    status, headers, data = request(default_server, "GET", "/metrics", headers=AUTH)
-    assert status == 200 and headers["content-type"].startswith("text/plain")
-    samples = metric_samples(data.decode())
+    # a request of its own that finishes by length, so that every series below has samples
+    status, body = post_json(default_server, CMPL, {"prompt": "Count: one, two,", "max_tokens": 2,
+                                                    "ignore_eos": True, "temperature": 0}, AUTH)
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
+    samples: dict[str, float] = {}
+
+    def engine_counters_arrived() -> bool:   # the token counters come with the scheduler's next heartbeat
+        nonlocal samples
+        status, headers, data = request(default_server, "GET", "/metrics", headers=AUTH)
+        assert status == 200 and headers["content-type"].startswith("text/plain")
+        samples = metric_samples(data.decode())
+        return (metric(samples, "pagedserve:generation_tokens_total") > 0
+                and metric(samples, "pagedserve:prompt_tokens_total") > 0)
+    wait_until(engine_counters_arrived, 5, "generation_tokens_total and prompt_tokens_total above 0")
     for name in METRIC_NAMES:
         full = "pagedserve:" + name
         assert any(re.match(re.escape(full) + r"(_bucket|_sum|_count)?\{", k) for k in samples), full
@@ -690,11 +725,11 @@ async def _drain_scenario(server: Server, max_tokens: int) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(180)
-def test_sigterm_drains_in_flight_requests(queue_server):
-    wait_idle(queue_server)
-    children = queue_server.children()
+def test_sigterm_drains_in_flight_requests(draining_server):
+    wait_idle(draining_server)
+    children = draining_server.children()
     max_tokens = 1000      # the tiny model's context is 1024
-    out = asyncio.run(_drain_scenario(queue_server, max_tokens))
+    out = asyncio.run(_drain_scenario(draining_server, max_tokens))
     past_timeout = out["done_at"] - out["sigterm_at"] > 10
     status, body = out["full"]
     assert status == 200, body
@@ -713,8 +748,8 @@ def test_sigterm_drains_in_flight_requests(queue_server):
         if status == 503:
             assert_error(status, body, 503)
     assert any(s == 503 for s, _ in out["new"]), out["new"]
-    rc = queue_server.proc.wait(60)
-    assert rc == 0, queue_server.log_tail()
+    rc = draining_server.proc.wait(60)
+    assert rc == 0, draining_server.log_tail()
     assert_all_exit(children)
 
 
@@ -834,8 +869,8 @@ async def _streams_then_kill(url: str, n: int, worker_pid: int) -> list[tuple[in
 
 
 @pytest.mark.timeout(180)
-def test_kill_worker_fails_streams_and_readiness(replica_server):
-    server = replica_server
+def test_kill_worker_fails_streams_and_readiness(doomed_replica_server):
+    server = doomed_replica_server
     wait_idle(server)
     children = server.children()
     workers = [p for p in children if " worker " in f" {_cmdline(p)} "]
