@@ -4,8 +4,8 @@ The live test reads docker/docker-compose.yml, takes the command of scheduler, w
 (the image's ENTRYPOINT is `pagedserve`), moves every listener to 127.0.0.1 on a free port (consistently:
 `tcp://scheduler:5557` in a router follows the scheduler's `tcp://0.0.0.0:5557`), shrinks the KV cache,
 starts each once the services it depends on are up and puts a tiny round-robin TCP proxy (standing in for
-nginx) in front of the two routers. The static tests check the rest of docker/: the Dockerfile,
-nginx, Prometheus, Grafana.
+nginx) in front of the two routers. The static tests (marked `unit`: they only read files) check the rest
+of docker/: the Dockerfile, nginx, Prometheus, Grafana.
 """
 from __future__ import annotations
 
@@ -250,6 +250,7 @@ def dashboard_metrics() -> set[str]:
 
 
 # ---- the live test ----------------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_compose_services_run_locally(tmp_path: Path) -> None:
     services = compose()["services"]
@@ -346,6 +347,7 @@ def test_compose_services_run_locally(tmp_path: Path) -> None:
 
 
 # ---- static checks ----------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_zmq_ports_are_declared_but_not_published() -> None:
     services = compose()["services"]
     assert set(ENGINE_SERVICES) | {"lb", "prometheus", "grafana"} <= set(services)
@@ -365,6 +367,7 @@ def test_zmq_ports_are_declared_but_not_published() -> None:
     assert "authentication" in text.lower()
 
 
+@pytest.mark.unit
 def test_healthchecks_and_dependencies() -> None:
     services = compose()["services"]
     for r in ROUTERS:
@@ -392,6 +395,7 @@ def test_healthchecks_and_dependencies() -> None:
     assert "--kv-cache-memory" in engine("scheduler")
 
 
+@pytest.mark.unit
 def test_monitoring_profile() -> None:
     services = compose()["services"]
     for name in ("prometheus", "grafana"):
@@ -423,6 +427,7 @@ def test_monitoring_profile() -> None:
     assert len(ids) == len(set(ids))
 
 
+@pytest.mark.unit
 def test_nginx_round_robin_and_streaming() -> None:
     conf = (DOCKER / "nginx.conf").read_text()
     assert conf.count("{") == conf.count("}")
@@ -441,6 +446,7 @@ def test_nginx_round_robin_and_streaming() -> None:
     assert f"location = {path}" in conf
 
 
+@pytest.mark.unit
 def test_dockerfile() -> None:
     instructions = dockerfile_instructions()
     known = {"FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME", "USER",

@@ -31,7 +31,7 @@ import pytest
 from common.protocol import HEARTBEAT_S
 from tests.server_utils import Server, async_wait_until, run_server, wait_until
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 API_KEY = "sk-e2e-secret"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
