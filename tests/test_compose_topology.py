@@ -3,8 +3,9 @@
 The live test reads docker/docker-compose.yml, takes the command of scheduler, worker, router1 and router2
 (the image's ENTRYPOINT is `pagedserve`), moves every listener to 127.0.0.1 on a free port (consistently:
 `tcp://scheduler:5557` in a router follows the scheduler's `tcp://0.0.0.0:5557`), shrinks the KV cache,
-starts them in depends_on order and puts a tiny round-robin TCP proxy (standing in for nginx) in front of
-the two routers. The static tests check the rest of docker/: the Dockerfile, nginx, Prometheus, Grafana.
+starts each once the services it depends on are up and puts a tiny round-robin TCP proxy (standing in for
+nginx) in front of the two routers. The static tests (marked `unit`: they only read files) check the rest
+of docker/: the Dockerfile, nginx, Prometheus, Grafana.
 """
 from __future__ import annotations
 
@@ -18,14 +19,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.server_utils import REPO, free_port, wait_ready
+from tests.server_utils import REPO, assert_running, free_port, listens, spawn, wait_ready, wait_until
 
 DOCKER = REPO / "docker"
 COMPOSE = DOCKER / "docker-compose.yml"
@@ -250,6 +250,7 @@ def dashboard_metrics() -> set[str]:
 
 
 # ---- the live test ----------------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_compose_services_run_locally(tmp_path: Path) -> None:
     services = compose()["services"]
@@ -271,23 +272,25 @@ def test_compose_services_run_locally(tmp_path: Path) -> None:
         return "\n".join(f"---- {n} (rc={procs[n].poll()}): {' '.join(commands[n])}\n"
                          + logs[n].read_text(errors="replace")[-3000:] for n in procs)
 
+    def listening(name: str) -> bool:
+        """`name` runs and listens on every port it binds (none, for the worker)."""
+        return assert_running(procs, dump_logs) and all(listens(loc.ports[(owner, port)])
+                                                        for owner, port in loc.binds if owner == name)
+
     try:
         for name in order:
+            # depends_on: compose starts a service once those it depends on are healthy. Their compose
+            # healthchecks only ask whether the process runs; here they must also listen where the others
+            # connect to (the scheduler's ZeroMQ ports), and still be running.
+            for dep in depends_on(services[name]):
+                wait_until(lambda: listening(dep), 60, lambda: f"{dep} listening on its ports\n{dump_logs()}")
             logs[name] = tmp_path / f"{name}.log"
-            env = {**os.environ, "PAGEDSERVE_API_KEY": "", **environment_of(services[name])}
-            with open(logs[name], "wb") as f:
-                # `pagedserve ARGS` is `python -m pagedserve.cli ARGS` with this interpreter
-                procs[name] = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", *commands[name]],
-                                               stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-            time.sleep(0.2)
-            assert procs[name].poll() is None, dump_logs()   # what the compose process checks stand for
+            procs[name] = spawn(commands[name], logs[name],   # `pagedserve ARGS` from the compose command
+                                {"PAGEDSERVE_API_KEY": "", **environment_of(services[name])})
 
         router_urls = {r: f"http://127.0.0.1:{loc.ports[(r, 8000)]}" for r in ROUTERS}
         for r, url in router_urls.items():
-            try:
-                wait_ready(url, timeout=150, proc=procs[r])
-            except (RuntimeError, TimeoutError) as e:
-                raise AssertionError(f"{r}: {e}\n{dump_logs()}") from None
+            wait_ready(url, procs, 150, dump_logs)      # fails at once if any service exits meanwhile
             assert all(p.poll() is None for p in procs.values()), dump_logs()
             assert run_healthcheck(services[r], loc.ports[(r, 8000)]) == 0
 
@@ -330,12 +333,8 @@ def test_compose_services_run_locally(tmp_path: Path) -> None:
         # graceful stop, in reverse dependency order, as `docker compose down` does
         for name in reversed(order):
             procs[name].send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 40
-        for name in reversed(order):
-            try:
-                procs[name].wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"{name} did not exit on SIGTERM\n{dump_logs()}") from None
+        wait_until(lambda: all(p.poll() is not None for p in procs.values()), 40, lambda: "every service exiting on "
+                   f"SIGTERM: {[n for n, p in procs.items() if p.poll() is None]} did not\n{dump_logs()}", interval=0.1)
         for r in ROUTERS:
             assert procs[r].returncode == 0, dump_logs()
         for name, p in procs.items():
@@ -348,6 +347,7 @@ def test_compose_services_run_locally(tmp_path: Path) -> None:
 
 
 # ---- static checks ----------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_zmq_ports_are_declared_but_not_published() -> None:
     services = compose()["services"]
     assert set(ENGINE_SERVICES) | {"lb", "prometheus", "grafana"} <= set(services)
@@ -367,6 +367,7 @@ def test_zmq_ports_are_declared_but_not_published() -> None:
     assert "authentication" in text.lower()
 
 
+@pytest.mark.unit
 def test_healthchecks_and_dependencies() -> None:
     services = compose()["services"]
     for r in ROUTERS:
@@ -394,6 +395,7 @@ def test_healthchecks_and_dependencies() -> None:
     assert "--kv-cache-memory" in engine("scheduler")
 
 
+@pytest.mark.unit
 def test_monitoring_profile() -> None:
     services = compose()["services"]
     for name in ("prometheus", "grafana"):
@@ -425,6 +427,7 @@ def test_monitoring_profile() -> None:
     assert len(ids) == len(set(ids))
 
 
+@pytest.mark.unit
 def test_nginx_round_robin_and_streaming() -> None:
     conf = (DOCKER / "nginx.conf").read_text()
     assert conf.count("{") == conf.count("}")
@@ -443,6 +446,7 @@ def test_nginx_round_robin_and_streaming() -> None:
     assert f"location = {path}" in conf
 
 
+@pytest.mark.unit
 def test_dockerfile() -> None:
     instructions = dockerfile_instructions()
     known = {"FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME", "USER",
