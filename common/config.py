@@ -94,6 +94,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     max_waiting_requests: int = 4096
     max_waiting_tokens: int = 1 << 22
+    speculative_config: str | dict | None = None   # JSON object (CLI) or dict (LLM): see common/speculative.py
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

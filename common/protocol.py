@@ -97,6 +97,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[Logprob] | None] = field(default_factory=list)
     prompt_logprobs: dict[str, list[Logprob | None]] = field(default_factory=dict)   # seq_id -> records
+    # sampled_token_ids[i] holds 1 token, or 1 + the accepted drafts of a step that verified some.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)   # seq_id -> drafts for its next step
     error: str | None = None
 
 

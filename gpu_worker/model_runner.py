@@ -15,10 +15,12 @@ from common.config import EngineConfig, ModelConfig
 from common.model_source import ModelSource
 from common.protocol import Logprob, ModelRunnerOutput, NewSequenceData, SchedulerOutput, WorkerInfo
 from common.sampling_params import SamplingParams
+from common.speculative import SpeculativeConfig
 from gpu_worker.attention import get_backend
 from gpu_worker.layers.linear import set_linear_method
 from gpu_worker.models import build_model
 from gpu_worker.sampler import build_sampling_batch, prompt_logprobs, sample
+from gpu_worker.spec_decode import Proposer, build_proposer
 from gpu_worker.step_inputs import PromptLogprobRows, SequenceState, StepInputs, build_step_inputs
 from gpu_worker.weight_loader import load_weights
 
@@ -26,6 +28,14 @@ log = logging.getLogger("pagedserve.worker")
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def accepted_drafts(drafts: list[int], target: list[int]) -> int:
+    """How many leading drafts the target's own choices at those positions confirm."""
+    n = 0
+    while n < len(drafts) and drafts[n] == target[n]:
+        n += 1
+    return n
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,6 +75,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.eos_ids: set[int] = set(self.model_config.eos_token_ids)   # the engine adds the tokenizer's
         self.seqs: dict[str, SequenceState] = {}
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        self.proposer: Proposer | None = build_proposer(spec) if spec else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -143,19 +155,32 @@ class ModelRunner:
         return out
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs, out: ModelRunnerOutput) -> None:
+        """Sample every logits row; a sequence with k drafts keeps the target's tokens up to and including
+        the first that differs from its draft (greedy verification: exactly the output without drafts)."""
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         batch = build_sampling_batch(inputs.sampling_states(self.seqs), logits.shape[-1], self.eos_ids, self.device)
         ids, lps = sample(logits, batch)
         ids_list, row = ids.tolist(), 0
         for seq_id, k in zip(inputs.sample_seq_ids, inputs.num_samples):
             st = self.seqs[seq_id]
-            st.token_ids.extend(ids_list[row:row + k])
+            keep = 1 + accepted_drafts(st.spec_token_ids, ids_list[row:row + k - 1])
+            st.token_ids.extend(ids_list[row:row + keep])
             out.seq_ids.append(seq_id)
-            out.sampled_token_ids.append(ids_list[row:row + k])
+            out.sampled_token_ids.append(ids_list[row:row + keep])
             want = st.params.logprobs
-            out.logprobs.append([r for recs in lps[row:row + k] for r in self._trim(recs, want)]
+            out.logprobs.append([r for recs in lps[row:row + keep] for r in self._trim(recs, want)]
                                 if lps and want is not None else None)
             row += k
+        if self.proposer is not None:
+            self._propose(inputs.sample_seq_ids, out)
+
+    def _propose(self, seq_ids: list[str], out: ModelRunnerOutput) -> None:
+        """Drafts for the next step of each greedy sequence that just sampled (sampled ones need rejection
+        sampling, which is not here yet, so they run without drafts)."""
+        seqs = [self.seqs[s] for s in seq_ids if self.seqs[s].params.greedy]
+        for st, drafts in zip(seqs, self.proposer.propose(seqs)):
+            if drafts:
+                out.spec_token_ids[st.seq_id] = drafts
 
     def _prompt_logprobs(self, hidden: torch.Tensor, seq_id: str, lp: PromptLogprobRows) -> list[Logprob | None]:
         k = self.seqs[seq_id].params.prompt_logprobs
@@ -183,8 +208,7 @@ class ModelRunner:
             del st.block_ids[r.blocks_from:]
             st.block_ids.extend(r.block_ids)
             st.num_computed_tokens = r.num_computed_tokens
-        if sched.spec_token_ids:
-            raise NotImplementedError("draft tokens arrived, but no verifier is wired into this runner yet")
+            st.spec_token_ids = sched.spec_token_ids.get(r.seq_id, [])
 
     @staticmethod
     def _copy_blocks(src_caches, dst_caches, pairs) -> None:

@@ -68,7 +68,7 @@ def _add_filters(b: SamplingBatch, states: list[SequenceState], vocab: int, devi
         b.top_p = torch.tensor([p.top_p for p in ps], device=device)
     if any(p.min_p > 0 for p in ps):
         b.min_p = torch.tensor([p.min_p for p in ps], device=device)
-    b.generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None and not ps[i].greedy}
+    b.generators = {i: s.draw_generator() for i, s in enumerate(states) if s.generator is not None and not ps[i].greedy}
 
 
 def _add_penalties(b: SamplingBatch, states: list[SequenceState], vocab: int, device: torch.device) -> None:

@@ -14,7 +14,7 @@ sees the target model's choice after every draft:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,6 +33,7 @@ class SequenceState:
     num_computed_tokens: int
     generator: torch.Generator | None
     lora_id: int = 0
+    seed: int | None = None
     spec_token_ids: list[int] = field(default_factory=list)   # drafts to verify this step
 
     @classmethod
@@ -42,7 +43,16 @@ class SequenceState:
             gen = torch.Generator(device=device)
             gen.manual_seed(r.seed & 0xFFFF_FFFF_FFFF_FFFF)
         return cls(r.seq_id, list(r.token_ids), r.num_prompt_tokens, r.sampling_params, list(r.block_ids),
-                   r.num_computed_tokens, gen, r.lora_id)
+                   r.num_computed_tokens, gen, r.lora_id, r.seed)
+
+    def draw_generator(self) -> torch.Generator | None:
+        """The generator for this sequence's next draw, seeded from (seed, output index): draw k of a
+        seeded request is the same alone, in any batch, and after a preemption, which drops this state
+        and rebuilds it from the seed (a generator carried along would restart from draw 0)."""
+        if self.generator is not None and self.seed is not None:
+            mixed = (self.seed * 0x9E3779B97F4A7C15 + self.num_output_tokens) & 0xFFFF_FFFF_FFFF_FFFF
+            self.generator.manual_seed(mixed)
+        return self.generator
 
     @property
     def num_output_tokens(self) -> int:
@@ -69,8 +79,24 @@ class StepInputs:
     lora_ids: torch.Tensor | None = None    # [T] adapter slot per row; None when all run the base model
 
     def sampling_states(self, states: dict[str, SequenceState]) -> list[SequenceState]:
-        """The state behind each logits row (a sequence with drafts owns k + 1 consecutive rows)."""
-        return [states[s] for s, k in zip(self.sample_seq_ids, self.num_samples) for _ in range(k)]
+        """The state behind each logits row. A sequence with drafts owns k + 1 consecutive rows; row j sees
+        the first j drafts as already generated, so penalties and min_tokens apply as they would then."""
+        rows = []
+        for seq_id, k in zip(self.sample_seq_ids, self.num_samples):
+            st = states[seq_id]
+            rows.append(st)
+            if k > 1 and _reads_history(st):
+                rows += [replace(st, token_ids=st.token_ids + st.spec_token_ids[:j]) for j in range(1, k)]
+            else:
+                rows += [st] * (k - 1)
+        return rows
+
+
+def _reads_history(st: SequenceState) -> bool:
+    """Whether sampling looks at the generated tokens: penalties, or min_tokens not reached yet."""
+    p = st.params
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                or st.num_output_tokens + len(st.spec_token_ids) < p.min_tokens)
 
 
 def build_step_inputs(states: dict[str, SequenceState], scheduled: list[tuple[str, int]], block_size: int,

@@ -14,6 +14,7 @@ import time
 from typing import Any, TypeVar
 
 from common.config import EngineConfig
+from common.speculative import SpeculativeConfig
 from router.config import API_KEY_ENV, DEFAULT_FRONTEND, RouterConfig
 
 DEFAULT_WORKERS = "tcp://127.0.0.1:5558"
@@ -126,9 +127,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Values that would only fail in a child process fail here, at once, naming the flag (exit 2)."""
+    if getattr(args, "max_body_bytes", 1) <= 0:
+        parser.error("--max-body-bytes must be positive")
+    if getattr(args, "speculative_config", None) is not None:
+        try:
+            SpeculativeConfig.parse(args.speculative_config)
+        except ValueError as e:    # json.JSONDecodeError is one
+            parser.error(f"--speculative-config: {e}")
+
+
 def main(argv: list[str] | None = None) -> None:
     from common.process import setup_logging
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_engine_args(parser, args)
     setup_logging(args.log_level)
     if args.command == "scheduler":
         from scheduler.scheduler_process import run_scheduler

@@ -37,6 +37,9 @@ _COUNTERS = [
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     ("admission_rejections", "admission_rejections", "Requests the scheduler rejected because it was full."),
+    ("spec_decode_num_drafts", "spec_num_drafts", "Number of spec decoding drafts (sequence steps that verified some)."),
+    ("spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Number of draft tokens."),
+    ("spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Number of accepted draft tokens."),
 ]
 
 # vLLM's buckets, reaching minutes (TTFT under load) and hours (long generations).
@@ -65,6 +68,11 @@ class EngineStatsCollector:
             m = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             m.add_metric([self.model_name], float(values.get(key, 0) or 0))
             yield m
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens at each draft position.", labels=["model_name", "position"])
+        for pos, count in enumerate(values.get("spec_accepted_per_pos") or []):
+            per_pos.add_metric([self.model_name, str(pos)], float(count))
+        yield per_pos
 
     describe = collect
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from common.config import EngineConfig
 from common.protocol import WorkerInfo
+from common.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -20,12 +21,16 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 4096
     max_waiting_tokens: int = 1 << 22
+    speculative: bool = False                   # drafts may arrive from the workers' proposer
+    spec_disable_by_batch_size: int | None = None
 
     @classmethod
     def from_engine(cls, engine: EngineConfig, worker: WorkerInfo) -> "SchedulerConfig":
+        spec = SpeculativeConfig.parse(engine.speculative_config)
         return cls(max_num_batched_tokens=engine.max_num_batched_tokens, max_num_seqs=engine.max_num_seqs,
                    max_model_len=worker.max_model_len, vocab_size=worker.vocab_size,
                    block_size=engine.block_size, num_blocks=worker.num_blocks,
                    num_host_blocks=worker.num_host_blocks, enable_prefix_caching=engine.enable_prefix_caching,
                    max_waiting_requests=engine.max_waiting_requests,
-                   max_waiting_tokens=engine.max_waiting_tokens)
+                   max_waiting_tokens=engine.max_waiting_tokens, speculative=spec is not None,
+                   spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None)

@@ -30,6 +30,10 @@ class SchedulerStats:
     prompt_tokens: int = 0               # prompt tokens computed
     generation_tokens: int = 0
     admission_rejections: int = 0
+    spec_num_drafts: int = 0             # steps of a sequence that verified drafts
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)   # [i]: steps that accepted draft i
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -82,7 +86,6 @@ class Scheduler:
                 seq.finish_reason = "abort"
                 self._finish(seq)
             outs += [EngineOutput(rid, i, [], finish_reason="abort") for i in sorted(dropped + [s.index for s in live])]
-            self._forget_if_done(group)
         return outs
 
     def has_unfinished(self) -> bool:
@@ -107,9 +110,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens_to_compute, budget)
-            if n <= 0:   # its last token is still in flight
+            if n <= 0 or self._waits_for_drafts(seq):   # its last token (or the drafts after it) in flight
                 i += 1
                 continue
+            drafts = self._take_drafts(seq, budget) if n == 1 else []
+            n += len(drafts)                     # lookahead slots: the drafts are computed with the token
             alloc = self.kv.allocate_slots(seq, n)
             while alloc is None:
                 victim = self.running.pop()
@@ -120,7 +125,7 @@ class Scheduler:
                 alloc = self.kv.allocate_slots(seq, n)
             if alloc is None:
                 break
-            self._emit(seq, n, alloc, out)
+            self._emit(seq, n, alloc, out, drafts)
             budget -= n
             i += 1
 
@@ -186,8 +191,30 @@ class Scheduler:
             return 1
         return self.groups[seq.request_id].num_seqs_brought(seq)
 
-    def _emit(self, seq: Sequence, n: int, alloc: tuple[list[tuple[int, int]], int], out: SchedulerOutput) -> None:
+    def _waits_for_drafts(self, seq: Sequence) -> bool:
+        """With speculation, a greedy sequence whose sample is still in flight waits for it, and for the
+        drafts proposed after it, rather than decode one plain token ahead: pipelining would otherwise
+        always schedule it before its drafts arrive."""
+        return self.config.speculative and seq.num_pending > 0 and seq.sampling_params.greedy
+
+    def _take_drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The drafts a decoding sequence verifies this step, within the budget, max_tokens and the context
+        (the step also samples one token of its own after them); none when the batch is too large to pay."""
+        drafts, seq.spec_token_ids = seq.spec_token_ids, []
+        limit = self.config.spec_disable_by_batch_size
+        if not drafts or seq.num_pending or (limit is not None and len(self.running) >= limit):
+            return []
+        room = min(budget, seq.max_tokens - len(seq.output_token_ids), self.config.max_model_len - seq.num_tokens) - 1
+        return drafts[:max(room, 0)]
+
+    def _emit(self, seq: Sequence, n: int, alloc: tuple[list[tuple[int, int]], int], out: SchedulerOutput,
+              drafts: list[int] = ()) -> None:
         """Record that seq runs n tokens this step, as a new sequence or as a delta for the worker."""
+        if drafts:
+            out.spec_token_ids[seq.seq_id] = drafts
+            seq.num_inflight_drafts = len(drafts)
+            self.stats.spec_num_drafts += 1
+            self.stats.spec_num_draft_tokens += len(drafts)
         copies, first_changed = alloc
         out.blocks_to_copy.extend(copies)
         table = self.kv.table(seq.seq_id)
@@ -214,6 +241,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.stats.num_preemptions += 1
         seq.num_preemptions += 1
+        seq.spec_token_ids = []
         if seq.on_worker:
             out.finished_seq_ids.append(seq.seq_id)
         seq.on_worker = False
@@ -240,15 +268,13 @@ class Scheduler:
             if seq is None or seq.is_finished or seq.num_pending == 0:
                 continue  # finished or aborted while the step ran
             seq.num_pending -= 1    # a sequence preempted meanwhile keeps its token: it was computed correctly
-            new = result.sampled_token_ids[k]
-            seq.output_token_ids.extend(new)
-            self.stats.generation_tokens += len(new)
-            group = self.groups[seq.request_id]
-            if group.pending_fork:
-                self._fork(group)
-            stopped = seq.check_stop(max_len)
+            sampled = result.sampled_token_ids[k]
+            self._settle_drafts(seq, len(sampled))
+            new, stopped = self._append(seq, sampled, max_len)
+            if not stopped and not seq.num_pending:
+                seq.spec_token_ids = result.spec_token_ids.get(seq_id, [])
             eo = EngineOutput(seq.request_id, seq.index, new,
-                              logprobs=result.logprobs[k] if result.logprobs else None,
+                              logprobs=result.logprobs[k][:len(new)] if result.logprobs and result.logprobs[k] else None,
                               num_prompt_tokens=seq.num_prompt_tokens,
                               num_cached_tokens=max(seq.num_cached_tokens, 0))
             if len(seq.output_token_ids) == len(new) and seq.first_scheduled_time is not None:
@@ -265,6 +291,32 @@ class Scheduler:
                 outs.append(EngineOutput(seq.request_id, seq.index, [], prompt_logprobs=plp,
                                          num_prompt_tokens=seq.num_prompt_tokens))
         return outs
+
+    def _settle_drafts(self, seq: Sequence, num_sampled: int) -> None:
+        """Roll back the lookahead slots of rejected drafts: their KV is overwritten by the next step, and
+        since only known tokens are ever hashed, no cached block holds them."""
+        drafts, seq.num_inflight_drafts = seq.num_inflight_drafts, 0
+        if not drafts:
+            return
+        accepted = num_sampled - 1
+        st = self.stats
+        st.spec_num_accepted_tokens += accepted
+        st.spec_accepted_per_pos += [0] * (drafts - len(st.spec_accepted_per_pos))
+        for i in range(accepted):
+            st.spec_accepted_per_pos[i] += 1
+        if seq.num_computed_tokens:          # 0: preempted by recompute meanwhile, nothing to roll back
+            seq.num_computed_tokens -= drafts - accepted
+
+    def _append(self, seq: Sequence, sampled: list[int], max_len: int) -> tuple[list[int], bool]:
+        """Append sampled tokens one by one until a stop condition holds; the rest are dropped."""
+        for i, tok in enumerate(sampled):
+            seq.output_token_ids.append(tok)
+            self.stats.generation_tokens += 1
+            if seq.index == 0 and seq.sampling_params.n > 1 and (group := self.groups[seq.request_id]).pending_fork:
+                self._fork(group)
+            if seq.check_stop(max_len):
+                return sampled[:i + 1], True
+        return sampled, False
 
     def _fork(self, group: SequenceGroup) -> None:
         """Start the other choices of an n > 1 request once its prompt is computed. They share the parent's

@@ -177,7 +177,10 @@ class SchedulerProcess:
         return {**self.sched.snapshot(), "num_preemptions": st.num_preemptions,
                 "prompt_tokens": st.prompt_tokens, "generation_tokens": st.generation_tokens,
                 "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
-                "admission_rejections": st.admission_rejections, "finished": dict(st.finished)}
+                "admission_rejections": st.admission_rejections, "finished": dict(st.finished),
+                "spec_num_drafts": st.spec_num_drafts, "spec_num_draft_tokens": st.spec_num_draft_tokens,
+                "spec_num_accepted_tokens": st.spec_num_accepted_tokens,
+                "spec_accepted_per_pos": list(st.spec_accepted_per_pos)}
 
     def _log_stats(self, now: float) -> None:
         st = self.sched.stats
@@ -189,6 +192,10 @@ class SchedulerProcess:
                  "prefix-cache hit rate %.1f%% | preemptions %d", (st.prompt_tokens - p0) / dt,
                  (st.generation_tokens - g0) / dt, snap["running"], snap["waiting"], snap["swapped"],
                  100 * snap["kv_cache_usage"], 100 * hit, st.num_preemptions)
+        if st.spec_num_drafts:
+            log.info("speculative decoding: mean acceptance length %.2f, draft acceptance rate %.1f%%",
+                     1 + st.spec_num_accepted_tokens / st.spec_num_drafts,
+                     100 * st.spec_num_accepted_tokens / max(st.spec_num_draft_tokens, 1))
         self.last_counts = (st.prompt_tokens, st.generation_tokens, now)
         self.last_log = now
 

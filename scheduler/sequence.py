@@ -44,6 +44,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_pending: int = 0                 # tokens sampled by a step still in flight (async scheduling)
+    spec_token_ids: list[int] = field(default_factory=list)   # drafts proposed for the next step
+    num_inflight_drafts: int = 0         # drafts the step in flight verifies (its lookahead slots)
     num_cached_tokens: int = -1          # prefix-cache hit at first admission (-1: not admitted yet)
     status: Status = Status.WAITING
     on_worker: bool = False              # the worker holds this sequence's state

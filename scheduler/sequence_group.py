@@ -20,13 +20,12 @@ from scheduler.sequence import Sequence, Status, seq_id_of
 @dataclass(eq=False)
 class SequenceGroup:
     parent: Sequence
-    n: int
     children: list[Sequence] = field(default_factory=list)   # born choices other than the parent
     unborn: set[int] = field(default_factory=set)            # choice indexes not forked (nor aborted) yet
 
     @classmethod
     def create(cls, parent: Sequence, n: int) -> "SequenceGroup":
-        return cls(parent, n, unborn=set(range(1, n)))
+        return cls(parent, unborn=set(range(1, n)))
 
     ##### Public API #####
     @property

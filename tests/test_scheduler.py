@@ -44,8 +44,9 @@ class WorkerState:
 class FakeRunner:
     """The worker's side of the protocol, with the KV cache reduced to what each slot was written with."""
 
-    def __init__(self, scheduler: Scheduler, script: dict[str, list[int]] | None = None):
+    def __init__(self, scheduler: Scheduler, script: dict[str, list[int]] | None = None, num_drafts: int = 0):
         self.scheduler = scheduler
+        self.num_drafts = num_drafts       # > 0: propose this many drafts after every sample
         self.bs = scheduler.config.block_size
         self.script = script or {}         # seq_id -> tokens to sample, in order, before default_token
         self.reqs: dict[str, WorkerState] = {}
@@ -53,10 +54,22 @@ class FakeRunner:
         self.host: dict[int, dict[int, SlotRecord]] = {}
         self.num_kv_checks = 0
 
-    def sample(self, seq_id: str, st: WorkerState) -> int:
-        k = len(st.token_ids) - st.num_prompt_tokens
+    def sample(self, seq_id: str, st: WorkerState, index: int | None = None) -> int:
+        """The fake model's choice for token `index` (default: the next one) of the sequence."""
+        index = len(st.token_ids) if index is None else index
+        k = index - st.num_prompt_tokens
         scripted = self.script.get(seq_id, [])
-        return scripted[k] if k < len(scripted) else default_token(seq_id, len(st.token_ids))
+        return scripted[k] if k < len(scripted) else default_token(seq_id, index)
+
+    def propose(self, seq_id: str, st: WorkerState) -> list[int]:
+        """Drafts as a proposer would guess them: the fake model's real next tokens, except that some are
+        deliberately wrong, so both acceptance and rollback happen."""
+        drafts = []
+        for j in range(self.num_drafts):
+            index = len(st.token_ids) + j
+            wrong = zlib.crc32(f"{seq_id}#{index}".encode()) % 3 == 0
+            drafts.append(7 if wrong else self.sample(seq_id, st, index))
+        return drafts
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for seq_id in sched.finished_seq_ids:
@@ -70,6 +83,7 @@ class FakeRunner:
         for r in sched.new_seqs:
             assert r.seq_id not in self.reqs, f"{r.seq_id} sent as new while the worker holds it"
             assert r.num_prompt_tokens <= len(r.token_ids)
+            assert r.seq_id not in sched.spec_token_ids, "drafts for a sequence the worker does not hold"
             self.reqs[r.seq_id] = WorkerState(list(r.token_ids), r.num_prompt_tokens, list(r.block_ids),
                                               r.num_computed_tokens)
         for r in sched.cached_seqs:
@@ -81,38 +95,49 @@ class FakeRunner:
 
         scheduled = [(r.seq_id, r.num_new_tokens) for r in sched.new_seqs + sched.cached_seqs]
         assert len({rid for rid, _ in scheduled}) == len(scheduled), "a request scheduled twice in one step"
+        drafts = {seq_id: sched.spec_token_ids.get(seq_id, []) for seq_id, _ in scheduled}
         for seq_id, n in scheduled:
             st = self.reqs[seq_id]
             assert st.block_ids == self.scheduler.kv.table(seq_id), f"{seq_id}: worker block table is stale"
-            assert n >= 1 and st.num_computed_tokens + n <= len(st.token_ids)
+            assert n >= 1 and st.num_computed_tokens + n <= len(st.token_ids) + len(drafts[seq_id])
+            assert not drafts[seq_id] or st.num_computed_tokens + n == len(st.token_ids) + len(drafts[seq_id])
             assert len(st.block_ids) * self.bs >= st.num_computed_tokens + n, f"{seq_id}: no slot to write"
 
         # Like every attention layer: the whole step's K/V is written first, then each request reads its
         # context and its new tokens back (a request may hit blocks another one fills in this same step).
         for seq_id, n in scheduled:
             st = self.reqs[seq_id]
+            known = st.token_ids + drafts[seq_id]
             for pos in range(st.num_computed_tokens, st.num_computed_tokens + n):
-                self.dev.setdefault(st.block_ids[pos // self.bs], {})[pos % self.bs] = (pos, st.token_ids[pos])
+                self.dev.setdefault(st.block_ids[pos // self.bs], {})[pos % self.bs] = (pos, known[pos])
         for seq_id, n in scheduled:
-            self.check_context(seq_id, self.reqs[seq_id], self.reqs[seq_id].num_computed_tokens + n)
+            st = self.reqs[seq_id]
+            self.check_context(seq_id, st, st.num_computed_tokens + n, st.token_ids + drafts[seq_id])
 
         out = ModelRunnerOutput(step_id=sched.step_id)
         for seq_id, n in scheduled:
             st = self.reqs[seq_id]
-            st.num_computed_tokens += n
-            if st.num_computed_tokens == len(st.token_ids):
-                tok = self.sample(seq_id, st)
-                st.token_ids.append(tok)
-                out.seq_ids.append(seq_id)
-                out.sampled_token_ids.append([tok])
+            if st.num_computed_tokens + n < len(st.token_ids):
+                st.num_computed_tokens += n    # a prefill chunk short of the end samples nothing
+                continue
+            kept = []
+            for d in drafts[seq_id] + [None]:    # greedy verification: keep through the first mismatch
+                kept.append(self.sample(seq_id, st, len(st.token_ids) + len(kept)))
+                if kept[-1] != d:
+                    break
+            st.token_ids += kept
+            st.num_computed_tokens = len(st.token_ids) - 1
+            out.seq_ids.append(seq_id)
+            out.sampled_token_ids.append(kept)
+            if self.num_drafts:
+                out.spec_token_ids[seq_id] = self.propose(seq_id, st)
         return out
 
-    def check_context(self, seq_id: str, st: WorkerState, end: int) -> None:
+    def check_context(self, seq_id: str, st: WorkerState, end: int, tokens: list[int]) -> None:
         """Every position the request attends to (its context and this step's tokens) holds its own token."""
         for pos in range(end):
             got = self.dev.get(st.block_ids[pos // self.bs], {}).get(pos % self.bs)
-            assert got == (pos, st.token_ids[pos]), \
-                f"{seq_id}: KV at position {pos} holds {got}, expected {(pos, st.token_ids[pos])}"
+            assert got == (pos, tokens[pos]), f"{seq_id}: KV at position {pos} holds {got}, expected {(pos, tokens[pos])}"
         self.num_kv_checks += 1
 
 
@@ -144,9 +169,9 @@ class Harness:
     """A scheduler, its fake runner, and the outputs collected per (request_id, index)."""
 
     def __init__(self, script: dict[str, list[int]] | None = None, eos: list[int] | None = None,
-                 pipelined: bool = False, **config):
-        self.sched = Scheduler(SchedulerConfig(**config), [EOS] if eos is None else eos)
-        self.runner = FakeRunner(self.sched, script)
+                 pipelined: bool = False, num_drafts: int = 0, **config):
+        self.sched = Scheduler(SchedulerConfig(speculative=num_drafts > 0, **config), [EOS] if eos is None else eos)
+        self.runner = FakeRunner(self.sched, script, num_drafts)
         self.results: dict[tuple[str, int], SeqResult] = {}
         self.steps: list[SchedulerOutput] = []
         # pipelined: like the scheduler process, step N+1 is scheduled (and run, in order) before N's results
@@ -689,17 +714,20 @@ request_strategy = st.tuples(
        num_blocks=st.integers(6, 16), num_host_blocks=st.sampled_from([0, 4, 32]),
        budget=st.integers(4, 40), max_num_seqs=st.integers(1, 8), caching=st.booleans(),
        aborts=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 6), st.integers(-1, 2)), max_size=3),
-       pipelined=st.booleans())
+       pipelined=st.booleans(), num_drafts=st.sampled_from([0, 1, 3]))
 def test_random_workloads_keep_blocks_consistent_and_outputs_correct(
         reqs: list[tuple[int, int, int, int, int]], num_blocks: int, num_host_blocks: int, budget: int,
-        max_num_seqs: int, caching: bool, aborts: list[tuple[int, int, int]], pipelined: bool) -> None:
-    """pipelined: step N+1 is scheduled before step N's samples are back, as the scheduler process does."""
-    run_random_workload(reqs, num_blocks, num_host_blocks, budget, max_num_seqs, caching, aborts, pipelined)
+        max_num_seqs: int, caching: bool, aborts: list[tuple[int, int, int]], pipelined: bool,
+        num_drafts: int) -> None:
+    """pipelined: step N+1 is scheduled before step N's samples are back, as the scheduler process does.
+    num_drafts: the worker proposes drafts (some wrong) after every sample, verified in the next step."""
+    run_random_workload(reqs, num_blocks, num_host_blocks, budget, max_num_seqs, caching, aborts, pipelined,
+                        num_drafts)
 
 
 def run_random_workload(reqs: list[tuple[int, int, int, int, int]], num_blocks: int, num_host_blocks: int,
                         budget: int, max_num_seqs: int, caching: bool, aborts: list[tuple[int, int, int]],
-                        pipelined: bool) -> None:
+                        pipelined: bool, num_drafts: int = 0) -> None:
     bs = 4
     prefixes = [prompt(1000, 8), prompt(1001, 5), []]
     work = []
@@ -709,7 +737,7 @@ def run_random_workload(reqs: list[tuple[int, int, int, int, int]], num_blocks: 
         work.append((f"q{i}", p, {"max_tokens": max_tokens, "n": min(n, max_num_seqs), "ignore_eos": True}))
     h = Harness(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, block_size=bs, num_blocks=num_blocks,
                 num_host_blocks=num_host_blocks, enable_prefix_caching=caching, max_model_len=4096,
-                pipelined=pipelined)
+                pipelined=pipelined, num_drafts=num_drafts)
     arrivals = sorted((r[4], i) for i, r in enumerate(reqs))
     aborted: set[tuple[str, int]] = set()
     step = 0
@@ -734,7 +762,10 @@ def run_random_workload(reqs: list[tuple[int, int, int, int, int]], num_blocks: 
     stats = h.sched.stats
     for what, happened in [("swap preemption", stats.num_swap_preemptions), ("prefix hit", stats.prefix_cache_hits),
                            ("recompute preemption", stats.num_recompute_preemptions), ("abort", aborted),
-                           ("copy-on-write", any(x.blocks_to_copy for x in h.steps))]:
+                           ("copy-on-write", any(x.blocks_to_copy for x in h.steps)),
+                           ("drafts verified", stats.spec_num_drafts),
+                           ("drafts accepted", stats.spec_num_accepted_tokens),
+                           ("drafts rejected", stats.spec_num_draft_tokens - stats.spec_num_accepted_tokens)]:
         if happened:
             event(what)
     reference = reference_outputs(work)
