@@ -1,0 +1,109 @@
+"""Speculative decoding benchmark: output tok/s with and without n-gram speculation, measured in the same run.
+
+    python -m loadtest.spec_bench [--repeats 2] [--concurrency 1,8,64] [--json FILE]
+
+Workloads:
+  * grounded — loadtest/spec_workload.jsonl: rewrite or edit code, quote a passage, continue a list (the
+    output repeats spans of the prompt, where prompt lookup pays); chat-templated, greedy, stopping at EOS
+    or max_tokens. Concurrency c runs the requests in waves of c through LLM.generate (c = 1: one at a
+    time, the single-stream case);
+  * shared — the shared 96-request workload (greedy, ignore_eos) submitted at once with max_num_seqs 64, so
+    64 run and the queue refills them (concurrency 64): the batch where speculation must cost nothing
+    (``--shared``).
+Both arms give identical greedy outputs (asserted), so the ratio compares the same work.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from loadtest.workload import load_workload
+from pagedserve import LLM, SamplingParams
+
+WORKLOAD = Path(__file__).with_name("spec_workload.jsonl")
+NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+
+def grounded_prompts(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
+    rows = [json.loads(line) for line in WORKLOAD.read_text().splitlines() if line.strip()]
+    tok = llm.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False) for r in rows]
+    return prompts, [SamplingParams(temperature=0, max_tokens=r["max_tokens"]) for r in rows]
+
+
+def run_waves(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], c: int) -> tuple[float, list]:
+    """Wall seconds and outputs, running the requests in waves of c."""
+    outs = []
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), c):
+        outs += llm.generate(prompts[i:i + c], params[i:i + c], use_tqdm=False)
+    return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
+
+
+def measure(spec: dict | None, args: argparse.Namespace) -> dict[str, Any]:
+    llm = LLM(None, kv_cache_memory=1.0, swap_space=0, num_threads=args.threads, speculative_config=spec,
+              max_num_seqs=64)    # the shared row: at most 64 in flight, the queue refilling them (concurrency 64)
+    prompts, params = grounded_prompts(llm)
+    run_waves(llm, prompts[:1], [SamplingParams(temperature=0, max_tokens=8)], 1)        # warm-up
+    rows: dict[str, Any] = {}
+    for c in args.concurrency:
+        before = _spec_counts(llm)
+        wall, tokens = run_waves(llm, prompts, params, c)
+        rows[f"grounded-c{c}"] = _row(wall, tokens, before, _spec_counts(llm))
+    if args.shared:
+        reqs = load_workload()
+        before = _spec_counts(llm)
+        sp = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+        wall, tokens = run_waves(llm, [r.prompt_token_ids for r in reqs], sp, len(reqs))
+        rows["shared-c64"] = _row(wall, tokens, before, _spec_counts(llm))
+    return rows
+
+
+def _spec_counts(llm: LLM) -> tuple[int, int, int]:
+    st = llm.stats
+    return st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens
+
+
+def _row(wall: float, tokens: list[list[int]], before: tuple[int, int, int], after: tuple[int, int, int]) -> dict:
+    drafts, draft_tokens, accepted = (a - b for a, b in zip(after, before))
+    n = sum(len(t) for t in tokens)
+    return {"wall_s": wall, "tokens": n, "tok_s": n / wall, "outputs": tokens, "drafts": drafts,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    p.add_argument("--shared", action="store_true", help="also the shared 96-request workload at once")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--speculative-config", type=json.loads, default=NGRAM, help=f"JSON (default {json.dumps(NGRAM)})")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    results = []
+    for rep in range(args.repeats):          # alternate the arms: the machine is shared and noisy
+        base, spec = measure(None, args), measure(args.speculative_config, args)
+        for name in base:
+            assert base[name]["outputs"] == spec[name]["outputs"], f"{name}: outputs differ with speculation"
+            b, s = base[name], spec[name]
+            results.append({"repeat": rep, "row": name, "base_tok_s": b["tok_s"], "spec_tok_s": s["tok_s"],
+                            "speedup": s["tok_s"] / b["tok_s"], "tokens": b["tokens"],
+                            "acceptance_rate": s["acceptance_rate"], "mean_accepted_length": s["mean_accepted_length"]})
+    print(f"{'row':<14} {'rep':>3} {'tokens':>6} {'base tok/s':>10} {'ngram tok/s':>11} {'speed-up':>8} "
+          f"{'accept':>7} {'mean len':>8}")
+    for r in results:
+        acc = f"{r['acceptance_rate']:.1%}" if r["acceptance_rate"] is not None else "-"
+        mal = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
+        print(f"{r['row']:<14} {r['repeat']:>3} {r['tokens']:>6} {r['base_tok_s']:>10.1f} {r['spec_tok_s']:>11.1f} "
+              f"{r['speedup']:>7.2f}x {acc:>7} {mal:>8}")
+    if args.json:
+        args.json.write_text(json.dumps({"config": args.speculative_config, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
