@@ -156,7 +156,14 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs, out: ModelRunnerOutput) -> None:
         """Sample every logits row; a sequence with k drafts keeps the target's tokens up to and including
-        the first that differs from its draft (greedy verification: exactly the output without drafts)."""
+        the first that differs from its draft.
+
+        Row j's logits already condition on drafts 0..j-1, which equal the kept tokens whenever row j is
+        reached, so each kept token is drawn from exactly the target distribution. For a proposer whose
+        drafts are deterministic (n-gram: q is one-hot), this *is* rejection sampling: draft j survives
+        with probability p_j(d_j) = min(1, p/q), and a rejected position yields a sample of p_j given that it
+        is not d_j, i.e. norm(max(0, p_j - q_j)). Greedy rows are the special case p = one-hot. A proposer
+        with a spread-out q (a draft model) needs the general test, which is not here yet."""
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         batch = build_sampling_batch(inputs.sampling_states(self.seqs), logits.shape[-1], self.eos_ids, self.device)
         ids, lps = sample(logits, batch)
@@ -175,9 +182,8 @@ class ModelRunner:
             self._propose(inputs.sample_seq_ids, out)
 
     def _propose(self, seq_ids: list[str], out: ModelRunnerOutput) -> None:
-        """Drafts for the next step of each greedy sequence that just sampled (sampled ones need rejection
-        sampling, which is not here yet, so they run without drafts)."""
-        seqs = [self.seqs[s] for s in seq_ids if self.seqs[s].params.greedy]
+        """Drafts for the next step of every sequence that just sampled."""
+        seqs = [self.seqs[s] for s in seq_ids]
         for st, drafts in zip(seqs, self.proposer.propose(seqs)):
             if drafts:
                 out.spec_token_ids[st.seq_id] = drafts

@@ -80,16 +80,23 @@ class StepInputs:
 
     def sampling_states(self, states: dict[str, SequenceState]) -> list[SequenceState]:
         """The state behind each logits row. A sequence with drafts owns k + 1 consecutive rows; row j sees
-        the first j drafts as already generated, so penalties and min_tokens apply as they would then."""
+        the first j drafts as already generated, so penalties, min_tokens and a seed's draw (seeded by output
+        index) apply as they would then."""
         rows = []
         for seq_id, k in zip(self.sample_seq_ids, self.num_samples):
             st = states[seq_id]
             rows.append(st)
-            if k > 1 and _reads_history(st):
-                rows += [replace(st, token_ids=st.token_ids + st.spec_token_ids[:j]) for j in range(1, k)]
+            if k > 1 and (_reads_history(st) or st.generator is not None):
+                rows += [replace(st, token_ids=st.token_ids + st.spec_token_ids[:j], generator=_fresh(st.generator))
+                         for j in range(1, k)]
             else:
                 rows += [st] * (k - 1)
         return rows
+
+
+def _fresh(gen: torch.Generator | None) -> torch.Generator | None:
+    """A generator of its own for a draft row: each row is seeded for its own output index."""
+    return None if gen is None else torch.Generator(device=gen.device)
 
 
 def _reads_history(st: SequenceState) -> bool:

@@ -192,10 +192,10 @@ class Scheduler:
         return self.groups[seq.request_id].num_seqs_brought(seq)
 
     def _waits_for_drafts(self, seq: Sequence) -> bool:
-        """With speculation, a greedy sequence whose sample is still in flight waits for it, and for the
-        drafts proposed after it, rather than decode one plain token ahead: pipelining would otherwise
-        always schedule it before its drafts arrive."""
-        return self.config.speculative and seq.num_pending > 0 and seq.sampling_params.greedy
+        """With speculation, a sequence whose sample is still in flight waits for it, and for the drafts
+        proposed after it, rather than decode one plain token ahead: pipelining would otherwise always
+        schedule it before its drafts arrive."""
+        return self.config.speculative and seq.num_pending > 0
 
     def _take_drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The drafts a decoding sequence verifies this step, within the budget, max_tokens and the context

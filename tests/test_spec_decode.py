@@ -1,8 +1,9 @@
-"""Speculative decoding with n-gram prompt lookup: the configuration, the proposer, and greedy output that is
-identical with and without speculation under every engine variant that changes how work is split.
+"""Speculative decoding with n-gram prompt lookup: the configuration, the proposer, output that is identical
+with and without speculation (greedy, and seeded sampling) under every engine variant that changes how work
+is split, the target distribution kept for unseeded sampling (chi-square), and the server path.
 
-(Draft-model proposers and rejection sampling for sampled requests are not built yet: sampled requests run
-without drafts, which the mixed-batch test checks.)"""
+(The draft-model proposer, whose drafts are not deterministic and need the general rejection test, is not
+built yet.)"""
 from __future__ import annotations
 
 import pytest
@@ -200,3 +201,50 @@ def test_server_streams_accepted_drafts_and_counts_them(default_tokenizer, tmp_p
         counts["pagedserve:spec_decode_num_draft_tokens_total"]
     token_counts = [len(default_tokenizer.encode(t, add_special_tokens=False)) for t in texts]
     assert max(token_counts) > 1, "no chunk carried more than one token"
+
+
+# ---- sampled requests keep the target distribution (slow, statistical) --------------------------------
+# chi-square critical values at significance 0.001, by degrees of freedom
+CHI2_CRIT_P001 = [None, 10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26, 32.91, 34.53,
+                  36.12, 37.70]
+
+
+def chi2_homogeneity(a: list, b: list) -> tuple[float, int]:
+    """Pearson's statistic for 'both samples come from one distribution', and its degrees of freedom."""
+    cats = sorted(set(a) | set(b))
+    stat = 0.0
+    for sample, other in ((a, b), (b, a)):
+        for c in cats:
+            pooled = (sample.count(c) + other.count(c)) / (len(a) + len(b))
+            expected = pooled * len(sample)
+            stat += (sample.count(c) - expected) ** 2 / expected
+    return stat, len(cats) - 1
+
+
+@pytest.mark.slow
+def test_sampled_outputs_keep_the_target_distribution(tiny_case) -> None:
+    """Unseeded sampling at temperature 1 over four tokens that the prompt repeats (so n-gram drafts exist
+    and are partly accepted): the joint distribution of (token i-1, token i) at the first drafted position
+    (output index 1) and at a later one (index 3) is the same with and without speculation, by a chi-square
+    homogeneity test at significance 0.001 (up to 15 degrees of freedom) on 600 samples per arm. Pairs, not
+    single tokens: a verifier that kept every draft makes token i a function of token i-1, which the
+    marginal of token i alone can hide. Seeded requests are covered exactly by the identical-output tests
+    above: a seed draws by output index, with or without drafts."""
+    folder, _ = tiny_case
+    four = [1000, 1001, 1002, 1003]
+    prompt = [1000, 1001, 1002, 1003, 1000, 1002, 1001, 1003, 1000, 1003, 1001, 1002] * 2
+    sp = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, logit_bias={t: 30.0 for t in four})
+    samples = {}
+    for arm, spec in (("plain", None), ("ngram", NGRAM)):
+        llm = LLM(folder, dtype="float32", kv_cache_memory=0.05, swap_space=0, speculative_config=spec)
+        outs = llm.generate([prompt] * 600, sp, use_tqdm=False)
+        samples[arm] = [o.outputs[0].token_ids for o in outs]
+        if spec:
+            st = llm.stats
+            assert st.spec_num_accepted_tokens > 100 and st.spec_num_draft_tokens > st.spec_num_accepted_tokens
+    assert all(t in four for toks in samples["plain"] + samples["ngram"] for t in toks)
+    for index in (1, 3):
+        a, b = ([tuple(toks[index - 1:index + 1]) for toks in samples[arm]] for arm in ("plain", "ngram"))
+        assert len(set(a)) > 4, "the pairs must really be random"
+        stat, df = chi2_homogeneity(a, b)
+        assert stat < CHI2_CRIT_P001[df], (index, stat, df)
