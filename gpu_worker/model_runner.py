@@ -77,6 +77,7 @@ class ModelRunner:
         self.seqs: dict[str, SequenceState] = {}
         spec = SpeculativeConfig.parse(config.speculative_config)
         self.proposer: Proposer | None = build_proposer(spec) if spec else None
+        self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -178,8 +179,9 @@ class ModelRunner:
             out.logprobs.append([r for recs in lps[row:row + keep] for r in self._trim(recs, want)]
                                 if lps and want is not None else None)
             row += k
-        if self.proposer is not None:
-            self._propose(inputs.sample_seq_ids, out)
+        limit = self.spec_disable_by_batch_size
+        if self.proposer is not None and (limit is None or len(inputs.sample_seq_ids) < limit):
+            self._propose(inputs.sample_seq_ids, out)   # at or above the limit the scheduler drops them anyway
 
     def _propose(self, seq_ids: list[str], out: ModelRunnerOutput) -> None:
         """Drafts for the next step of every sequence that just sampled."""

@@ -202,7 +202,7 @@ class Scheduler:
         (the step also samples one token of its own after them); none when the batch is too large to pay."""
         drafts, seq.spec_token_ids = seq.spec_token_ids, []
         limit = self.config.spec_disable_by_batch_size
-        if not drafts or seq.num_pending or (limit is not None and len(self.running) >= limit):
+        if not drafts or (limit is not None and len(self.running) >= limit):
             return []
         room = min(budget, seq.max_tokens - len(seq.output_token_ids), self.config.max_model_len - seq.num_tokens) - 1
         return drafts[:max(room, 0)]

@@ -778,3 +778,26 @@ def run_random_workload(reqs: list[tuple[int, int, int, int, int]], num_blocks: 
         else:
             assert got.tokens == ref.tokens, key
             assert got.finish_reason == ref.finish_reason == "length", key
+
+
+def test_drafts_are_verified_and_rolled_back_and_switch_off_in_large_batches() -> None:
+    """With drafts from the worker, outputs stay the fake model's own tokens; with disable_by_batch_size 3 no
+    step carries drafts while 3 or more run, and drafts flow again once fewer do."""
+    h = Harness(block_size=4, num_blocks=64, num_drafts=3, spec_disable_by_batch_size=3)
+    lengths = {"a": 4, "b": 8, "c": 30}
+    for rid, n in lengths.items():
+        h.add(rid, prompt(ord(rid), 5), max_tokens=n, ignore_eos=True)
+    running_at_step = []
+    for _ in range(200):
+        if not h.sched.has_unfinished():
+            break
+        running_at_step.append(len(h.sched.running))
+        h.step()
+    results = h.run()
+    for rid, n in lengths.items():
+        assert results[(rid, 0)].tokens == expected_tokens(rid, 5, n)
+    with_drafts = [bool(s.spec_token_ids) for s in h.steps[:len(running_at_step)]]
+    assert not any(d for d, r in zip(with_drafts, running_at_step) if r >= 3)
+    assert any(with_drafts), "drafts never flowed once the batch was small"
+    st = h.sched.stats
+    assert 0 < st.spec_num_accepted_tokens < st.spec_num_draft_tokens    # both acceptance and rollback
