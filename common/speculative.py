@@ -41,6 +41,33 @@ class SpeculativeConfig:
         cfg._check()
         return cfg
 
+    @property
+    def lookahead_slots(self) -> int:
+        """KV slots a sequence needs past the tokens a step computes: a draft model writes the KV of its
+        own drafts there while proposing, before the target sees them."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+    def check_vocab(self, target_vocab: int, draft_vocab: int) -> None:
+        if target_vocab != draft_vocab:
+            raise ValueError(f"speculative_config: the draft model {self.model!r} has a vocabulary of {draft_vocab} "
+                             f"tokens, the target {target_vocab}; a draft must share the target's tokenizer")
+
+    def check_draft(self, target_model: str | None) -> None:
+        """Read both models' configurations and check that the draft can draft for the target (start-up
+        checks in the CLI, before any process loads weights)."""
+        if self.model is None:
+            return
+        from common.model_source import ModelSource
+        try:
+            draft = ModelSource.resolve(self.model, False).model_config()
+        except ValueError as e:
+            raise ValueError(f"speculative_config: draft model: {e}") from None
+        try:
+            target = ModelSource.resolve(target_model, False).model_config()
+        except ValueError:
+            return       # the target's own error is reported where it is loaded, naming --model
+        self.check_vocab(target.vocab_size, draft.vocab_size)
+
     def _check(self) -> None:
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, "
@@ -53,7 +80,5 @@ class SpeculativeConfig:
                 raise ValueError("speculative_config: method ngram takes no model")
         elif self.model is None:
             raise ValueError("speculative_config: method draft_model needs a \"model\"")
-        else:
-            raise ValueError("speculative_config: draft-model speculation is not implemented yet; use method ngram")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError("speculative_config: disable_by_batch_size must be >= 1")

@@ -16,26 +16,18 @@ from common.model_source import ModelSource
 from common.protocol import Logprob, ModelRunnerOutput, NewSequenceData, SchedulerOutput, WorkerInfo
 from common.sampling_params import SamplingParams
 from common.speculative import SpeculativeConfig
-from gpu_worker.attention import get_backend
-from gpu_worker.layers.linear import set_linear_method
-from gpu_worker.models import build_model
-from gpu_worker.sampler import build_sampling_batch, prompt_logprobs, sample
+from gpu_worker.attention import allocate_kv_cache, get_backend
+from gpu_worker.sampler import build_sampling_batch, draw, logprob_records, prompt_logprobs
 from gpu_worker.spec_decode import Proposer, build_proposer
+from gpu_worker.spec_decode.proposer import CachePair
+from gpu_worker.spec_decode.rejection import verify
 from gpu_worker.step_inputs import PromptLogprobRows, SequenceState, StepInputs, build_step_inputs
-from gpu_worker.weight_loader import load_weights
+from gpu_worker.weight_loader import load_model
 
 log = logging.getLogger("pagedserve.worker")
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
-
-
-def accepted_drafts(drafts: list[int], target: list[int]) -> int:
-    """How many leading drafts the target's own choices at those positions confirm."""
-    n = 0
-    while n < len(drafts) and drafts[n] == target[n]:
-        n += 1
-    return n
 
 
 def resolve_device(name: str) -> torch.device:
@@ -64,11 +56,8 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or self.model_config.max_context, self.model_config.max_context)
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
-        with torch.device(self.device):
-            self.model = build_model(self.model_config, self.dtype, self.max_model_len)
-            set_linear_method(self.model, config.quantization)
-            load_weights(self.model, self.source, config.load_format)
-        self.model.eval()
+        self.model = load_model(self.source, self.model_config, self.dtype, self.device, self.max_model_len,
+                                config.quantization, config.load_format)
         log.info("loaded %s (%s, %s) in %.1fs", self.source.name, self.model_config.arch, self.dtype,
                  time.perf_counter() - t0)
         self.backend = get_backend(config.attention_backend, self.device)
@@ -76,7 +65,7 @@ class ModelRunner:
         self.eos_ids: set[int] = set(self.model_config.eos_token_ids)   # the engine adds the tokenizer's
         self.seqs: dict[str, SequenceState] = {}
         spec = SpeculativeConfig.parse(config.speculative_config)
-        self.proposer: Proposer | None = build_proposer(spec) if spec else None
+        self.proposer: Proposer | None = build_proposer(spec, self) if spec else None
         self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -92,7 +81,8 @@ class ModelRunner:
 
     def block_bytes(self) -> int:
         mc = self.model_config
-        return self.block_size * mc.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        own = self.block_size * mc.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        return own + (self.proposer.block_bytes(self.block_size) if self.proposer else 0)
 
     def profile_num_blocks(self) -> tuple[int, int]:
         """Blocks that fit the memory budget on device, and on the host for swapping."""
@@ -126,14 +116,14 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
         mc = self.model_config
-        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(mc.num_layers)]
-        hshape = (num_host_blocks, *shape[1:])
-        pin = self.device.type == "cuda"
-        self.host_caches = [(torch.zeros(hshape, dtype=self.dtype, pin_memory=pin),
-                             torch.zeros(hshape, dtype=self.dtype, pin_memory=pin))
-                            for _ in range(mc.num_layers)] if num_host_blocks else []
+        self.kv_caches, self.host_caches = allocate_kv_cache(mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks,
+                                                             num_host_blocks, self.block_size, self.dtype, self.device)
+        if self.proposer is not None:
+            self.proposer.init_cache(num_blocks, num_host_blocks)
+
+    def _cache_pairs(self) -> list[CachePair]:
+        """Every (device, host) cache under the scheduler's block ids: the target's and a draft model's."""
+        return [(self.kv_caches, self.host_caches)] + (self.proposer.caches() if self.proposer else [])
 
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -153,42 +143,44 @@ class ModelRunner:
             self._sample(hidden, inputs, out)
         for seq_id, lp_rows in inputs.prompt_logprobs.items():
             out.prompt_logprobs[seq_id] = self._prompt_logprobs(hidden, seq_id, lp_rows)
+        if self.proposer is not None:
+            self._speculate(scheduled, inputs.sample_seq_ids, out)
         return out
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs, out: ModelRunnerOutput) -> None:
-        """Sample every logits row; a sequence with k drafts keeps the target's tokens up to and including
-        the first that differs from its draft.
-
-        Row j's logits already condition on drafts 0..j-1, which equal the kept tokens whenever row j is
-        reached, so each kept token is drawn from exactly the target distribution. For a proposer whose
-        drafts are deterministic (n-gram: q is one-hot), this *is* rejection sampling: draft j survives
-        with probability p_j(d_j) = min(1, p/q), and a rejected position yields a sample of p_j given that it
-        is not d_j, i.e. norm(max(0, p_j - q_j)). Greedy rows are the special case p = one-hot. A proposer
-        with a spread-out q (a draft model) needs the general test, which is not here yet."""
+        """Sample every logits row; a sequence with k drafts keeps what the verifier (spec_decode/rejection.py)
+        accepts of them, and one token of the target's after them."""
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         batch = build_sampling_batch(inputs.sampling_states(self.seqs), logits.shape[-1], self.eos_ids, self.device)
-        ids, lps = sample(logits, batch)
-        ids_list, row = ids.tolist(), 0
-        for seq_id, k in zip(inputs.sample_seq_ids, inputs.num_samples):
-            st = self.seqs[seq_id]
-            keep = 1 + accepted_drafts(st.spec_token_ids, ids_list[row:row + k - 1])
+        samples = draw(logits, batch)
+        seqs = [self.seqs[s] for s in inputs.sample_seq_ids]
+        ids_list, keeps = verify(samples, seqs, inputs.num_samples)
+        lps = logprob_records(samples, torch.tensor(ids_list, device=self.device), batch.max_logprobs)
+        row = 0
+        for st, k, keep in zip(seqs, inputs.num_samples, keeps):
             st.token_ids.extend(ids_list[row:row + keep])
-            out.seq_ids.append(seq_id)
+            out.seq_ids.append(st.seq_id)
             out.sampled_token_ids.append(ids_list[row:row + keep])
             want = st.params.logprobs
             out.logprobs.append([r for recs in lps[row:row + keep] for r in self._trim(recs, want)]
                                 if lps and want is not None else None)
             row += k
-        limit = self.spec_disable_by_batch_size
-        if self.proposer is not None and (limit is None or len(inputs.sample_seq_ids) < limit):
-            self._propose(inputs.sample_seq_ids, out)   # at or above the limit the scheduler drops them anyway
 
-    def _propose(self, seq_ids: list[str], out: ModelRunnerOutput) -> None:
-        """Drafts for the next step of every sequence that just sampled."""
-        seqs = [self.seqs[s] for s in seq_ids]
-        for st, drafts in zip(seqs, self.proposer.propose(seqs)):
-            if drafts:
-                out.spec_token_ids[st.seq_id] = drafts
+    def _speculate(self, scheduled: list[tuple[str, int]], sampled: list[str], out: ModelRunnerOutput) -> None:
+        """Show the proposer the step, and collect drafts for the next step of every sequence that just
+        sampled, unless the batch is at disable_by_batch_size (the scheduler would drop them)."""
+        states = [self.seqs[s] for s, _ in scheduled]
+        done = set(sampled)
+        self.proposer.observe(states, [len(st.token_ids) if st.seq_id in done else st.num_computed_tokens + n
+                                       for st, (_, n) in zip(states, scheduled)])
+        limit = self.spec_disable_by_batch_size
+        if not sampled or (limit is not None and len(sampled) >= limit):
+            return
+        seqs = [self.seqs[s] for s in sampled]
+        for st, d in zip(seqs, self.proposer.propose(seqs)):
+            st.draft_probs = d.probs
+            if d.token_ids:
+                out.spec_token_ids[st.seq_id] = d.token_ids
 
     def _prompt_logprobs(self, hidden: torch.Tensor, seq_id: str, lp: PromptLogprobRows) -> list[Logprob | None]:
         k = self.seqs[seq_id].params.prompt_logprobs
@@ -204,11 +196,11 @@ class ModelRunner:
         for seq_id in sched.finished_seq_ids:
             self.seqs.pop(seq_id, None)
         if sched.blocks_to_swap_out:
-            self._copy_blocks(self.kv_caches, self.host_caches, sched.blocks_to_swap_out)
+            self._move_blocks(sched.blocks_to_swap_out, "device", "host")
         if sched.blocks_to_copy:
-            self._copy_blocks(self.kv_caches, self.kv_caches, sched.blocks_to_copy)
+            self._move_blocks(sched.blocks_to_copy, "device", "device")
         if sched.blocks_to_swap_in:
-            self._copy_blocks(self.host_caches, self.kv_caches, sched.blocks_to_swap_in)
+            self._move_blocks(sched.blocks_to_swap_in, "host", "device")
         for r in sched.new_seqs:
             self.seqs[r.seq_id] = SequenceState.from_new(r, self.device)
         for r in sched.cached_seqs:
@@ -217,6 +209,12 @@ class ModelRunner:
             st.block_ids.extend(r.block_ids)
             st.num_computed_tokens = r.num_computed_tokens
             st.spec_token_ids = sched.spec_token_ids.get(r.seq_id, [])
+
+    def _move_blocks(self, pairs: list[tuple[int, int]], src: str, dst: str) -> None:
+        """Copy blocks between "device" and "host" caches of every cache pair."""
+        for dev, host in self._cache_pairs():
+            caches = {"device": dev, "host": host}
+            self._copy_blocks(caches[src], caches[dst], pairs)
 
     @staticmethod
     def _copy_blocks(src_caches, dst_caches, pairs) -> None:

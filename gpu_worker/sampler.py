@@ -120,21 +120,39 @@ def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, list[list[Logprob]] | None]:
-    """logits [B, V] float32 -> sampled ids [B], and per-row logprob records if any row asked."""
+@dataclass
+class Samples:
+    ids: torch.Tensor                         # [B] the drawn (or greedy) token of every row
+    probs: torch.Tensor | None = None         # [B, V] the distribution each row drew from; None if all greedy
+    raw_logprobs: torch.Tensor | None = None  # [B, V] log-softmax of the raw logits, when some row wants logprobs
+
+
+def draw(logits: torch.Tensor, b: SamplingBatch) -> Samples:
+    """logits [B, V] float32 -> one token per row, keeping the distributions it came from: rejection
+    sampling of drafts compares them with the draft's."""
     raw_logprobs = logits.log_softmax(-1) if b.max_logprobs >= 0 else None
     logits = apply_penalties(logits, b)
     greedy_ids = logits.argmax(-1)
     if b.all_greedy:
-        ids = greedy_ids
-    else:
-        temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
-        probs = _filter(logits / temp[:, None], b).softmax(-1)
-        q = torch.empty_like(probs).exponential_()
-        for row, gen in b.generators.items():
-            q[row].exponential_(generator=gen)
-        ids = torch.where(b.temperature > 0, (probs / q).argmax(-1), greedy_ids)
-    return ids, (_logprobs(raw_logprobs, ids, b.max_logprobs) if raw_logprobs is not None else None)
+        return Samples(greedy_ids, None, raw_logprobs)
+    temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
+    probs = _filter(logits / temp[:, None], b).softmax(-1)
+    q = torch.empty_like(probs).exponential_()
+    for row, gen in b.generators.items():
+        q[row].exponential_(generator=gen)
+    ids = torch.where(b.temperature > 0, (probs / q).argmax(-1), greedy_ids)
+    return Samples(ids, probs, raw_logprobs)
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, list[list[Logprob]] | None]:
+    """logits [B, V] float32 -> sampled ids [B], and per-row logprob records if any row asked."""
+    s = draw(logits, b)
+    return s.ids, logprob_records(s, s.ids, b.max_logprobs)
+
+
+def logprob_records(s: Samples, ids: torch.Tensor, k: int) -> list[list[Logprob]] | None:
+    """Logprob records of the tokens finally kept per row (a draft's verifier may keep others than drawn)."""
+    return _logprobs(s.raw_logprobs, ids, k) if s.raw_logprobs is not None else None
 
 
 def _logprobs(lp: torch.Tensor, ids: torch.Tensor, k: int) -> list[list[Logprob]]:

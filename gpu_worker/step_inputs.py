@@ -15,6 +15,7 @@ sees the target model's choice after every draft:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -35,6 +36,8 @@ class SequenceState:
     lora_id: int = 0
     seed: int | None = None
     spec_token_ids: list[int] = field(default_factory=list)   # drafts to verify this step
+    draft_probs: torch.Tensor | None = None   # [k, V] what the drafts were drawn from; None: deterministic
+    proposer_state: Any = None                # a proposer's own per-sequence bookkeeping
 
     @classmethod
     def from_new(cls, r: NewSequenceData, device: torch.device) -> "SequenceState":
@@ -50,9 +53,21 @@ class SequenceState:
         seeded request is the same alone, in any batch, and after a preemption, which drops this state
         and rebuilds it from the seed (a generator carried along would restart from draw 0)."""
         if self.generator is not None and self.seed is not None:
-            mixed = (self.seed * 0x9E3779B97F4A7C15 + self.num_output_tokens) & 0xFFFF_FFFF_FFFF_FFFF
-            self.generator.manual_seed(mixed)
+            self.generator.manual_seed(self._mixed_seed(0, 0))
         return self.generator
+
+    def generator_for(self, offset: int, salt: int) -> torch.Generator | None:
+        """A fresh generator for the draw at output index num_output_tokens + offset in stream `salt`;
+        None for an unseeded sequence (which draws from the global generator)."""
+        if self.generator is None or self.seed is None:
+            return None
+        gen = torch.Generator(device=self.generator.device)
+        gen.manual_seed(self._mixed_seed(offset, salt))
+        return gen
+
+    def _mixed_seed(self, offset: int, salt: int) -> int:
+        index = self.num_output_tokens + offset
+        return (self.seed * 0x9E3779B97F4A7C15 + index + salt * 0xD1B54A32D192ED03) & 0xFFFF_FFFF_FFFF_FFFF
 
     @property
     def num_output_tokens(self) -> int:
@@ -86,12 +101,17 @@ class StepInputs:
         for seq_id, k in zip(self.sample_seq_ids, self.num_samples):
             st = states[seq_id]
             rows.append(st)
-            if k > 1 and (_reads_history(st) or st.generator is not None):
-                rows += [replace(st, token_ids=st.token_ids + st.spec_token_ids[:j], generator=_fresh(st.generator))
-                         for j in range(1, k)]
-            else:
-                rows += [st] * (k - 1)
+            rows += [row_state(st, st.spec_token_ids[:j]) for j in range(1, k)]
         return rows
+
+
+def row_state(st: SequenceState, ahead: list[int]) -> SequenceState:
+    """The state a logits row samples from when `ahead` tokens follow st's known ones: penalties,
+    min_tokens and a seed's draw (seeded by output index) apply as they would then. The state itself
+    where nothing of that differs."""
+    if ahead and (_reads_history(st) or st.generator is not None):
+        return replace(st, token_ids=st.token_ids + ahead, generator=_fresh(st.generator))
+    return st
 
 
 def _fresh(gen: torch.Generator | None) -> torch.Generator | None:
@@ -100,10 +120,11 @@ def _fresh(gen: torch.Generator | None) -> torch.Generator | None:
 
 
 def _reads_history(st: SequenceState) -> bool:
-    """Whether sampling looks at the generated tokens: penalties, or min_tokens not reached yet."""
+    """Whether sampling looks at the generated tokens: penalties, or min_tokens not reached yet (a row
+    further ahead may be past it, where the end-of-sequence ban lifts)."""
     p = st.params
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                or st.num_output_tokens + len(st.spec_token_ids) < p.min_tokens)
+                or st.num_output_tokens < p.min_tokens)
 
 
 def build_step_inputs(states: dict[str, SequenceState], scheduled: list[tuple[str, int]], block_size: int,
@@ -137,6 +158,15 @@ def build_step_inputs(states: dict[str, SequenceState], scheduled: list[tuple[st
         sample_seq_ids=sample_ids, num_samples=num_samples,
         prompt_logprobs=_prompt_logprob_rows(states, scheduled, qsl, device),
         lora_ids=torch.tensor(lora, device=device)[seq_idx.to(device)] if any(lora) else None)
+
+
+def decode_inputs(tables: list[list[int]], positions: list[int], token_ids: list[int], block_size: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input ids, positions, metadata) of one token per sequence at `positions`: a draft model's
+    autoregressive steps, which run outside the scheduled batch."""
+    meta, qsl = _attention_metadata(positions, [1] * len(positions), tables, block_size)
+    pos = _positions(meta, qsl, torch.arange(len(positions)))
+    return torch.tensor(token_ids, device=device), pos.to(device), _to(meta, device)
 
 
 def _attention_metadata(ctx_lens: list[int], q_lens: list[int], tables: list[list[int]],

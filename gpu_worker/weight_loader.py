@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.config import ModelConfig
 from common.model_source import ModelSource
 
 # (checkpoint name, our module, parameter, shard) for the projections we fuse
@@ -93,6 +94,19 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
         else:
             p.data.normal_(0.0, 0.02, generator=gen)
     model.tie_weights()
+
+
+def load_model(source: ModelSource, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
+               max_positions: int, quantization: str, load_format: str) -> torch.nn.Module:
+    """Build the model on `device`, choose its Linear method and fill its weights: the target and a
+    draft model are made the same way."""
+    from gpu_worker.layers.linear import set_linear_method
+    from gpu_worker.models import build_model
+    with torch.device(device):
+        model = build_model(model_config, dtype, max_positions)
+        set_linear_method(model, quantization)
+        load_weights(model, source, load_format)
+    return model.eval()
 
 
 def load_weights(model: torch.nn.Module, source: ModelSource, load_format: str = "auto") -> None:

@@ -133,7 +133,9 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error("--max-body-bytes must be positive")
     if getattr(args, "speculative_config", None) is not None:
         try:
-            SpeculativeConfig.parse(args.speculative_config)
+            spec = SpeculativeConfig.parse(args.speculative_config)
+            if spec is not None:
+                spec.check_draft(getattr(args, "model", None))
         except ValueError as e:    # json.JSONDecodeError is one
             parser.error(f"--speculative-config: {e}")
 

@@ -23,6 +23,7 @@ class SchedulerConfig:
     max_waiting_tokens: int = 1 << 22
     speculative: bool = False                   # drafts may arrive from the workers' proposer
     spec_disable_by_batch_size: int | None = None
+    spec_lookahead_slots: int = 0               # KV slots past a sampling step's tokens, for a draft model's drafts
 
     @classmethod
     def from_engine(cls, engine: EngineConfig, worker: WorkerInfo) -> "SchedulerConfig":
@@ -33,4 +34,5 @@ class SchedulerConfig:
                    num_host_blocks=worker.num_host_blocks, enable_prefix_caching=engine.enable_prefix_caching,
                    max_waiting_requests=engine.max_waiting_requests,
                    max_waiting_tokens=engine.max_waiting_tokens, speculative=spec is not None,
-                   spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None)
+                   spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
+                   spec_lookahead_slots=spec.lookahead_slots if spec else 0)

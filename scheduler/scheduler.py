@@ -115,14 +115,15 @@ class Scheduler:
                 continue
             drafts = self._take_drafts(seq, budget) if n == 1 else []
             n += len(drafts)                     # lookahead slots: the drafts are computed with the token
-            alloc = self.kv.allocate_slots(seq, n)
+            slots = n + self._lookahead(seq, n)
+            alloc = self.kv.allocate_slots(seq, slots)
             while alloc is None:
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 preempted = True
                 if victim is seq:
                     break
-                alloc = self.kv.allocate_slots(seq, n)
+                alloc = self.kv.allocate_slots(seq, slots)
             if alloc is None:
                 break
             self._emit(seq, n, alloc, out, drafts)
@@ -140,11 +141,12 @@ class Scheduler:
         while self.swapped and budget > 0 and self._may_start(self.swapped[0], num_seqs):
             seq = self.swapped[0]
             n = min(seq.num_tokens_to_compute, budget)
-            if not self.kv.can_swap_in(seq, n):
+            slots = n + self._lookahead(seq, n)
+            if not self.kv.can_swap_in(seq, slots):
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.kv.swap_in(seq))
-            alloc = self.kv.allocate_slots(seq, n)
+            alloc = self.kv.allocate_slots(seq, slots)
             assert alloc is not None
             num_seqs += self._start_running(seq, n, alloc, out)
             budget -= n
@@ -158,7 +160,7 @@ class Scheduler:
             num_hit = len(hits) * self.config.block_size
             seq.num_computed_tokens = num_hit
             n = min(seq.num_tokens - num_hit, budget)
-            alloc = self.kv.allocate_slots(seq, n, hits)
+            alloc = self.kv.allocate_slots(seq, n + self._lookahead(seq, n), hits)
             if alloc is None:
                 seq.num_computed_tokens = 0
                 break
@@ -196,6 +198,16 @@ class Scheduler:
         proposed after it, rather than decode one plain token ahead: pipelining would otherwise always
         schedule it before its drafts arrive."""
         return self.config.speculative and seq.num_pending > 0
+
+    def _lookahead(self, seq: Sequence, n: int) -> int:
+        """Extra KV slots for a step that samples: a draft model writes its drafts' KV past the step's
+        tokens while proposing (none for the n-gram proposer). Never past the context limit or the
+        sequence's longest possible length, which admission made sure fits the pool."""
+        k = self.config.spec_lookahead_slots
+        end = seq.num_computed_tokens + n
+        if not k or end < seq.num_tokens:
+            return 0
+        return max(0, min(k, self.config.max_model_len - end, seq.num_prompt_tokens + seq.max_tokens - end))
 
     def _take_drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The drafts a decoding sequence verifies this step, within the budget, max_tokens and the context

@@ -53,6 +53,7 @@ class FakeRunner:
         self.dev: dict[int, dict[int, SlotRecord]] = {}
         self.host: dict[int, dict[int, SlotRecord]] = {}
         self.num_kv_checks = 0
+        self.num_lookahead_checks = 0
 
     def sample(self, seq_id: str, st: WorkerState, index: int | None = None) -> int:
         """The fake model's choice for token `index` (default: the next one) of the sequence."""
@@ -102,6 +103,7 @@ class FakeRunner:
             assert n >= 1 and st.num_computed_tokens + n <= len(st.token_ids) + len(drafts[seq_id])
             assert not drafts[seq_id] or st.num_computed_tokens + n == len(st.token_ids) + len(drafts[seq_id])
             assert len(st.block_ids) * self.bs >= st.num_computed_tokens + n, f"{seq_id}: no slot to write"
+            self.check_lookahead(seq_id, st, n)
 
         # Like every attention layer: the whole step's K/V is written first, then each request reads its
         # context and its new tokens back (a request may hit blocks another one fills in this same step).
@@ -132,6 +134,16 @@ class FakeRunner:
             if self.num_drafts:
                 out.spec_token_ids[seq_id] = self.propose(seq_id, st)
         return out
+
+    def check_lookahead(self, seq_id: str, st: WorkerState, n: int) -> None:
+        """A step that samples has the configured lookahead slots past its tokens (a draft model writes its
+        drafts there), up to the longest the sequence can become."""
+        k, end = self.scheduler.config.spec_lookahead_slots, st.num_computed_tokens + n
+        seq = self.scheduler.seqs.get(seq_id)
+        if k and seq is not None and end >= len(st.token_ids):
+            want = min(end + k, seq.num_prompt_tokens + seq.max_tokens, self.scheduler.config.max_model_len)
+            assert len(st.block_ids) * self.bs >= want, f"{seq_id}: {len(st.block_ids)} blocks, no lookahead to {want}"
+            self.num_lookahead_checks += 1
 
     def check_context(self, seq_id: str, st: WorkerState, end: int, tokens: list[int]) -> None:
         """Every position the request attends to (its context and this step's tokens) holds its own token."""
@@ -714,20 +726,21 @@ request_strategy = st.tuples(
        num_blocks=st.integers(6, 16), num_host_blocks=st.sampled_from([0, 4, 32]),
        budget=st.integers(4, 40), max_num_seqs=st.integers(1, 8), caching=st.booleans(),
        aborts=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 6), st.integers(-1, 2)), max_size=3),
-       pipelined=st.booleans(), num_drafts=st.sampled_from([0, 1, 3]))
+       pipelined=st.booleans(), num_drafts=st.sampled_from([0, 1, 3]), lookahead=st.booleans())
 def test_random_workloads_keep_blocks_consistent_and_outputs_correct(
         reqs: list[tuple[int, int, int, int, int]], num_blocks: int, num_host_blocks: int, budget: int,
         max_num_seqs: int, caching: bool, aborts: list[tuple[int, int, int]], pipelined: bool,
-        num_drafts: int) -> None:
+        num_drafts: int, lookahead: bool) -> None:
     """pipelined: step N+1 is scheduled before step N's samples are back, as the scheduler process does.
-    num_drafts: the worker proposes drafts (some wrong) after every sample, verified in the next step."""
+    num_drafts: the worker proposes drafts (some wrong) after every sample, verified in the next step;
+    lookahead: with a draft model's lookahead slots for them."""
     run_random_workload(reqs, num_blocks, num_host_blocks, budget, max_num_seqs, caching, aborts, pipelined,
-                        num_drafts)
+                        num_drafts, lookahead)
 
 
 def run_random_workload(reqs: list[tuple[int, int, int, int, int]], num_blocks: int, num_host_blocks: int,
                         budget: int, max_num_seqs: int, caching: bool, aborts: list[tuple[int, int, int]],
-                        pipelined: bool, num_drafts: int = 0) -> None:
+                        pipelined: bool, num_drafts: int = 0, lookahead: bool = False) -> None:
     bs = 4
     prefixes = [prompt(1000, 8), prompt(1001, 5), []]
     work = []
@@ -737,7 +750,7 @@ def run_random_workload(reqs: list[tuple[int, int, int, int, int]], num_blocks: 
         work.append((f"q{i}", p, {"max_tokens": max_tokens, "n": min(n, max_num_seqs), "ignore_eos": True}))
     h = Harness(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, block_size=bs, num_blocks=num_blocks,
                 num_host_blocks=num_host_blocks, enable_prefix_caching=caching, max_model_len=4096,
-                pipelined=pipelined, num_drafts=num_drafts)
+                pipelined=pipelined, num_drafts=num_drafts, spec_lookahead_slots=num_drafts if lookahead else 0)
     arrivals = sorted((r[4], i) for i, r in enumerate(reqs))
     aborted: set[tuple[str, int]] = set()
     step = 0
@@ -765,7 +778,8 @@ def run_random_workload(reqs: list[tuple[int, int, int, int, int]], num_blocks: 
                            ("copy-on-write", any(x.blocks_to_copy for x in h.steps)),
                            ("drafts verified", stats.spec_num_drafts),
                            ("drafts accepted", stats.spec_num_accepted_tokens),
-                           ("drafts rejected", stats.spec_num_draft_tokens - stats.spec_num_accepted_tokens)]:
+                           ("drafts rejected", stats.spec_num_draft_tokens - stats.spec_num_accepted_tokens),
+                           ("lookahead slots checked", h.runner.num_lookahead_checks)]:
         if happened:
             event(what)
     reference = reference_outputs(work)

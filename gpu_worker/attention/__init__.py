@@ -54,6 +54,22 @@ class AttentionBackend(Protocol[M]):
         K/V); `key`/`value` are the step's new K/V, which a backend may read directly where it helps."""
 
 
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]   # per layer (key cache, value cache)
+
+
+def allocate_kv_cache(num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, num_host_blocks: int,
+                      block_size: int, dtype: torch.dtype, device: torch.device) -> tuple[KVCaches, KVCaches]:
+    """Zeroed device caches and host caches (pinned on GPU machines, for swapping) in the layout above."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    dev = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+           for _ in range(num_layers)]
+    hshape = (num_host_blocks, *shape[1:])
+    pin = device.type == "cuda"
+    host = [(torch.zeros(hshape, dtype=dtype, pin_memory=pin), torch.zeros(hshape, dtype=dtype, pin_memory=pin))
+            for _ in range(num_layers)] if num_host_blocks else []
+    return dev, host
+
+
 def get_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"

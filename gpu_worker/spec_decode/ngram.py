@@ -10,16 +10,18 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from gpu_worker.spec_decode.proposer import Drafts, Proposer
 from gpu_worker.step_inputs import SequenceState
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     def __init__(self, min_n: int, max_n: int, num_speculative_tokens: int):
         self.min_n, self.max_n = min_n, max_n
         self.num_speculative_tokens = num_speculative_tokens
 
-    def propose(self, seqs: list[SequenceState]) -> list[list[int]]:
-        return [propose_ngram(s.token_ids, self.min_n, self.max_n, self.num_speculative_tokens) for s in seqs]
+    def propose(self, seqs: list[SequenceState]) -> list[Drafts]:
+        return [Drafts(propose_ngram(s.token_ids, self.min_n, self.max_n, self.num_speculative_tokens))
+                for s in seqs]
 
 
 def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
