@@ -155,7 +155,7 @@ class ModelRunner:
         samples = draw(logits, batch)
         seqs = [self.seqs[s] for s in inputs.sample_seq_ids]
         ids_list, keeps = verify(samples, seqs, inputs.num_samples)
-        lps = logprob_records(samples, torch.tensor(ids_list, device=self.device), batch.max_logprobs)
+        lps = logprob_records(samples, ids_list, batch.max_logprobs)
         row = 0
         for st, k, keep in zip(seqs, inputs.num_samples, keeps):
             st.token_ids.extend(ids_list[row:row + keep])

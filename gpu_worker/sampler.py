@@ -150,9 +150,12 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, list[l
     return s.ids, logprob_records(s, s.ids, b.max_logprobs)
 
 
-def logprob_records(s: Samples, ids: torch.Tensor, k: int) -> list[list[Logprob]] | None:
-    """Logprob records of the tokens finally kept per row (a draft's verifier may keep others than drawn)."""
-    return _logprobs(s.raw_logprobs, ids, k) if s.raw_logprobs is not None else None
+def logprob_records(s: Samples, ids: torch.Tensor | list[int], k: int) -> list[list[Logprob]] | None:
+    """Logprob records of the tokens finally kept per row (a draft's verifier may keep others than drawn);
+    None, at no cost, when no row asked."""
+    if s.raw_logprobs is None:
+        return None
+    return _logprobs(s.raw_logprobs, torch.as_tensor(ids, device=s.raw_logprobs.device), k)
 
 
 def _logprobs(lp: torch.Tensor, ids: torch.Tensor, k: int) -> list[list[Logprob]]:

@@ -756,7 +756,7 @@ def test_sigterm_drains_in_flight_requests(draining_server):
 # ---- 5. abort storm ----------------------------------------------------------------------------------
 async def _abort_storm(url: str, n_stream: int, n_full: int) -> dict[str, int]:
     body = {"prompt": "Tell me everything", "max_tokens": 800, "ignore_eos": True, "temperature": 0}
-    counts = {"cut": 0, "timed_out": 0, "other": 0}
+    counts: dict = {"cut": 0, "timed_out": 0, "other": 0, "answers": []}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
         async def cut(i: int):
             resp = await session.post(f"{url}/v1/completions", json={**body, "stream": True, "seed": i},
@@ -776,7 +776,7 @@ async def _abort_storm(url: str, n_stream: int, n_full: int) -> dict[str, int]:
             try:
                 async with session.post(f"{url}/v1/completions", json={**body, "seed": i},
                                         timeout=aiohttp.ClientTimeout(total=0.5)) as r:
-                    await r.read()
+                    counts["answers"].append((r.status, (await r.read())[:200]))   # what came back, for the message
                 counts["other"] += 1
             except asyncio.TimeoutError:
                 counts["timed_out"] += 1
@@ -789,7 +789,8 @@ async def _abort_storm(url: str, n_stream: int, n_full: int) -> dict[str, int]:
 def test_abort_storm_frees_everything(replica_server):
     before = metric(scrape(replica_server), "pagedserve:generation_tokens_total")
     counts = asyncio.run(_abort_storm(replica_server.url, 50, 50))
-    assert counts == {"cut": 50, "timed_out": 50, "other": 0}, counts
+    answers = counts.pop("answers")
+    assert counts == {"cut": 50, "timed_out": 50, "other": 0}, (counts, answers[:5], replica_server.log_tail())
     m = wait_idle(replica_server, timeout=10)      # a few heartbeats, not the 800 tokens' worth of steps
     generated = metric(m, "pagedserve:generation_tokens_total") - before
     assert 0 < generated < 100 * 800 / 2, generated  # the aborted requests stopped early
