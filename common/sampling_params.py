@@ -1,6 +1,7 @@
 """Per-request sampling parameters, validated once where the request enters the system."""
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -17,6 +18,14 @@ class ParamError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class RequestOutputKind(str, enum.Enum):
+    """What a streaming API yields per step, as vLLM names it: everything so far, only what is new, or
+    only the final output."""
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass
@@ -40,8 +49,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # streaming in-process (AsyncLLMEngine)
 
     def __post_init__(self) -> None:
+        self.output_kind = RequestOutputKind(self.output_kind)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -88,6 +99,7 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["output_kind"] = self.output_kind.value
         if d["logit_bias"]:
             d["logit_bias"] = [[k, v] for k, v in d["logit_bias"].items()]
         return d

@@ -1,9 +1,11 @@
 """pagedserve: a paged-attention, continuous-batching LLM serving engine.
 
-Offline use: `from pagedserve import LLM, SamplingParams`.
+Offline use: `from pagedserve import LLM, SamplingParams`; asyncio programs: `AsyncLLMEngine`.
 """
-from common.sampling_params import SamplingParams
+from common.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.async_engine import AsyncLLM, AsyncLLMEngine, EngineDeadError
 from pagedserve.llm import LLM, CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncLLMEngine", "AsyncLLM", "EngineDeadError", "SamplingParams", "RequestOutputKind",
+           "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

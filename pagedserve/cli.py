@@ -5,16 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, TypeVar
 
 from common.config import EngineConfig
 from common.speculative import SpeculativeConfig
+from pagedserve.engine_processes import EngineProcesses, wait_all
 from router.config import API_KEY_ENV, DEFAULT_FRONTEND, RouterConfig
 
 DEFAULT_WORKERS = "tcp://127.0.0.1:5558"
@@ -163,27 +161,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """Start every part as a child process; Ctrl-C or SIGTERM drains the routers, then stops the rest."""
-    run_dir = tempfile.mkdtemp(prefix="pagedserve-")
-    frontend, workers = f"ipc://{run_dir}/frontend.ipc", f"ipc://{run_dir}/workers.ipc"
-    flags = engine_flags(args)
+    engine = EngineProcesses.start(args.model, engine_flags(args), args.num_threads, args.tensor_parallel_size)
+    rc = router_config(args, frontend_address=engine.frontend)
     model = [args.model] if args.model else []
-    exe = [sys.executable, "-m", "pagedserve.cli"]
-    children: list[subprocess.Popen] = []
-    threads = args.num_threads
-
-    def spawn(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
-        p = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
-        children.append(p)
-        return p
-
-    spawn(exe + ["scheduler", *model, *flags, "--frontend", frontend, "--workers", workers],
-          {"OMP_NUM_THREADS": "1"})
-    for rank in range(args.tensor_parallel_size):
-        spawn(exe + ["worker", *model, *flags, "--connect", workers, "--rank", str(rank)],
-              {"OMP_NUM_THREADS": str(threads)} if threads else None)
-    rc = router_config(args, frontend_address=frontend)
-    cmd, env = exe + ["router", *model, *router_flags(rc, args.log_level)], router_env(rc)
-    routers = [spawn(cmd, env) for _ in range(args.router_replicas)]
+    routers = [engine.spawn(["router", *model, *router_flags(rc, args.log_level)], router_env(rc))
+               for _ in range(args.router_replicas)]
     stop = {"signal": None}
 
     def on_signal(signum, _frame):
@@ -191,29 +173,15 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        while stop["signal"] is None and all(r.poll() is None for r in routers) and children[0].poll() is None:
+        while stop["signal"] is None and all(r.poll() is None for r in routers) and engine.scheduler.poll() is None:
             time.sleep(0.2)
         for r in routers:   # routers first: they drain in-flight requests
             if r.poll() is None:
                 r.send_signal(signal.SIGTERM)
-        _wait(routers, rc.shutdown_timeout + 10)
+        wait_all(routers, rc.shutdown_timeout + 10)
     finally:
-        for c in children:
-            if c.poll() is None:
-                c.send_signal(signal.SIGTERM)
-        _wait(children, 10)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        engine.stop()
     return 0
-
-
-def _wait(procs: list[subprocess.Popen], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:

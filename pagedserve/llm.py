@@ -80,7 +80,7 @@ class LLM:
             self.engine.abort(order)
             raise
         self._run(trackers, use_tqdm)
-        return [self._output(*trackers[rid]) for rid in order]
+        return [request_output(*trackers[rid]) for rid in order]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
@@ -116,10 +116,11 @@ class LLM:
         if bar:
             bar.close()
 
-    @staticmethod
-    def _output(tr: RequestTracker, prompt: str | None) -> RequestOutput:
-        outs = [CompletionOutput(c.index, c.text, c.token_ids, c.logprobs if tr.params.logprobs is not None else None,
-                                 c.finish_reason, c.stop_reason) for c in tr.choices]
-        return RequestOutput(tr.request_id, prompt, tr.prompt_token_ids, outs,
-                             tr.prompt_logprobs if tr.params.prompt_logprobs is not None else None,
-                             tr.num_cached_tokens)
+
+def request_output(tr: RequestTracker, prompt: str | None) -> RequestOutput:
+    """A request's output so far, as vLLM's RequestOutput (the offline and the asyncio API share it)."""
+    outs = [CompletionOutput(c.index, c.text, list(c.token_ids), list(c.logprobs) if tr.params.logprobs is not None else None,
+                             c.finish_reason, c.stop_reason) for c in tr.choices]
+    return RequestOutput(tr.request_id, prompt, tr.prompt_token_ids, outs,
+                         list(tr.prompt_logprobs) if tr.params.prompt_logprobs is not None else None,
+                         tr.num_cached_tokens)

@@ -133,17 +133,17 @@ class EngineClient:
             elif isinstance(msg, Stats):
                 self.stats, self.stats_time = msg, time.monotonic()
                 if msg.dead:
-                    self._fail_all(msg.dead)
+                    self.fail_all(msg.dead)
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await self.sock.send(encode(Hello(self.client_id)))
             reason = self.dead_reason
             if reason and self.queues:
-                self._fail_all(reason)
+                self.fail_all(reason)
             await asyncio.sleep(HEARTBEAT_S)
 
-    def _fail_all(self, reason: str) -> None:
+    def fail_all(self, reason: str) -> None:
         """End every open request with an error output so no client waits forever."""
         for rid, q in list(self.queues.items()):
             q.put_nowait(EngineOutput(rid, -1, [], finish_reason="error", error=f"engine failure: {reason}"))

@@ -30,6 +30,8 @@ class SchedulerStats:
     prompt_tokens: int = 0               # prompt tokens computed
     generation_tokens: int = 0
     admission_rejections: int = 0
+    num_steps: int = 0                   # steps that ran something
+    num_step_seqs: int = 0               # sequences over those steps: / num_steps = the mean batch
     spec_num_drafts: int = 0             # steps of a sequence that verified drafts
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
@@ -134,6 +136,9 @@ class Scheduler:
             budget = self._swap_in(out, budget)
         if not preempted and not self.swapped:
             self._admit(out, budget)
+        if out.new_seqs or out.cached_seqs:
+            self.stats.num_steps += 1
+            self.stats.num_step_seqs += len(out.new_seqs) + len(out.cached_seqs)
         return out
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:

@@ -313,14 +313,18 @@ def test_seeded_sampling_with_a_draft_model_is_reproducible(tiny_case, draft_fol
 
 
 # ---- through the server (e2e) -------------------------------------------------------------------------
-def spec_counters(url: str) -> dict[str, float] | None:
-    """The spec-decode counters on /metrics, once the scheduler has reported some drafts."""
+def spec_counters(url: str, min_generated: int = 1) -> dict[str, float] | None:
+    """The spec-decode counters on /metrics, once a heartbeat has reported some drafts and at least
+    `min_generated` tokens: drafts are counted when scheduled and accepted ones when verified, so only a
+    snapshot taken after the last step has both."""
     import urllib.request
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
     counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("pagedserve:spec_decode_num_") and "_total{" in line and "per_pos" not in line}
-    return counts if counts.get("pagedserve:spec_decode_num_drafts_total") else None
+              if line.startswith(("pagedserve:spec_decode_num_", "pagedserve:generation_tokens_total"))
+              and "_total{" in line and "per_pos" not in line}
+    done = counts.get("pagedserve:generation_tokens_total", 0) >= min_generated
+    return counts if done and counts.get("pagedserve:spec_decode_num_drafts_total") else None
 
 
 @pytest.mark.e2e
@@ -378,7 +382,8 @@ def test_server_runs_a_draft_model_in_its_worker(tiny_case, default_tokenizer, t
         full = json.loads(post(body))["choices"][0]["text"]
         events = [json.loads(line[6:]) for line in post({**body, "stream": True}).decode().splitlines()
                   if line.startswith("data: {")]
-        counts = wait_until(lambda: spec_counters(srv.url), 10, "spec-decode counters on /metrics (sent every heartbeat)")
+        counts = wait_until(lambda: spec_counters(srv.url, 2 * 24), 10,
+                            "spec-decode counters on /metrics after both requests (sent every heartbeat)")
     texts = [e["choices"][0].get("text", "") for e in events if e["choices"]]
     assert "".join(texts) == full
     assert counts["pagedserve:spec_decode_num_accepted_tokens_total"] == \
