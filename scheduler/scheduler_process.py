@@ -179,6 +179,7 @@ class SchedulerProcess:
                 "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
                 "admission_rejections": st.admission_rejections, "finished": dict(st.finished),
                 "num_steps": st.num_steps, "num_step_seqs": st.num_step_seqs,
+                "num_requests": self.sched.num_unfinished_requests,
                 "spec_num_drafts": st.spec_num_drafts, "spec_num_draft_tokens": st.spec_num_draft_tokens,
                 "spec_num_accepted_tokens": st.spec_num_accepted_tokens,
                 "spec_accepted_per_pos": list(st.spec_accepted_per_pos)}

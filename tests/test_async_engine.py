@@ -128,12 +128,13 @@ def test_cancelled_streams_free_every_block(tiny_model) -> None:
             for t in tasks[8:16]:
                 t.cancel()
             results = await asyncio.gather(*tasks, return_exceptions=True)
-            stats = await latest_stats(engine, lambda v: v["running"] + v["waiting"] + v["swapped"] == 0)
+            stats = await latest_stats(engine, lambda v: v["num_requests"] == 0)
             return results, stats
     results, stats = asyncio.run(main())
     assert results[:8] == [3] * 8
     assert all(isinstance(r, asyncio.CancelledError) for r in results[8:16])
     assert results[16:] == [40] * 16
+    assert stats["running"] + stats["waiting"] + stats["swapped"] == 0, stats
     assert stats["kv_cache_usage"] == 0 and stats["num_free_blocks"] == stats["num_blocks"], stats
     assert stats["generation_tokens"] < 16 * 400 / 2, stats   # the cut ones stopped early
 

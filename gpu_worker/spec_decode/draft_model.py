@@ -31,6 +31,7 @@ from gpu_worker.spec_decode.proposer import CachePair, Drafts, Proposer
 from gpu_worker.step_inputs import SequenceState, build_step_inputs, decode_inputs, row_state
 from gpu_worker.weight_loader import load_model
 
+
 @dataclass
 class _DraftState:
     computed: int                                   # leading tokens whose KV is in the draft cache
