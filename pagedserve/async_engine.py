@@ -166,6 +166,12 @@ class AsyncLLMEngine:
                     pass
             client.release(rid)
 
+    async def abort(self, request_id: str) -> None:
+        """Abort a request from outside its loop: its stream ends with finish_reason "abort" (and nothing
+        happens for a request that has already finished)."""
+        client = await self._ready()
+        await client.abort(request_id, keep_queue=True)
+
     async def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
                    request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """generate() over the tokenizer's chat template with the generation prompt added."""

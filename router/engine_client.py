@@ -108,8 +108,10 @@ class EngineClient:
             raise EngineRejected(ack.code, ack.error or "rejected", ack.param)
         return q
 
-    async def abort(self, request_id: str, index: int = -1) -> None:
-        if index < 0:
+    async def abort(self, request_id: str, index: int = -1, keep_queue: bool = False) -> None:
+        """Abort a request (or one choice); `keep_queue`: its queue stays to receive the "abort" outputs the
+        scheduler answers with, for a caller still reading it."""
+        if index < 0 and not keep_queue:
             self.queues.pop(request_id, None)
         await self.sock.send(encode(AbortRequests([request_id], [index])))
 

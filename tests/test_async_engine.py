@@ -105,38 +105,42 @@ def test_64_concurrent_streams_match_llm_generate_and_are_batched() -> None:
 
 @pytest.mark.timeout(300)
 def test_cancelled_streams_free_every_block(tiny_model) -> None:
-    """Of 32 streams, 8 break out of their loop, 8 are cancelled as tasks, after a few outputs; once the
-    other 16 finish, the scheduler holds no sequence and the KV cache is empty."""
+    """Of 32 streams, 8 break out of their loop, 8 are cancelled as tasks and 4 are aborted with
+    engine.abort(request_id) (their streams end with finish_reason "abort"), after a few outputs; once the
+    other 12 finish, the scheduler holds no request and the KV cache is empty."""
     folder = str(tiny_model("llama"))
 
     async def main():
         async with engine_for(folder, dtype="float32", **SMALL) as engine:
             started = [asyncio.Event() for _ in range(32)]
 
-            async def stream(i: int) -> int:
-                n = 0
-                sp = SamplingParams(temperature=0, max_tokens=400 if i < 16 else 40, ignore_eos=True)
-                async for _ in engine.generate(f"stream {i} says", sp, f"c{i}"):
+            async def stream(i: int) -> int | str:
+                n, out = 0, None
+                sp = SamplingParams(temperature=0, max_tokens=400 if i < 20 else 40, ignore_eos=True)
+                async for out in engine.generate(f"stream {i} says", sp, f"c{i}"):
                     n += 1
                     if n == 3:
                         started[i].set()
                         if i < 8:
                             break
-                return n
+                return out.outputs[0].finish_reason if 16 <= i < 20 else n
             tasks = [asyncio.create_task(stream(i)) for i in range(32)]
             await asyncio.gather(*(e.wait() for e in started))
             for t in tasks[8:16]:
                 t.cancel()
+            for i in range(16, 20):
+                await engine.abort(f"c{i}")
             results = await asyncio.gather(*tasks, return_exceptions=True)
             stats = await latest_stats(engine, lambda v: v["num_requests"] == 0)
             return results, stats
     results, stats = asyncio.run(main())
     assert results[:8] == [3] * 8
     assert all(isinstance(r, asyncio.CancelledError) for r in results[8:16])
-    assert results[16:] == [40] * 16
+    assert results[16:20] == ["abort"] * 4
+    assert results[20:] == [40] * 12
     assert stats["running"] + stats["waiting"] + stats["swapped"] == 0, stats
     assert stats["kv_cache_usage"] == 0 and stats["num_free_blocks"] == stats["num_blocks"], stats
-    assert stats["generation_tokens"] < 16 * 400 / 2, stats   # the cut ones stopped early
+    assert stats["generation_tokens"] < 20 * 400 / 2, stats   # the cut ones stopped early
 
 
 @pytest.mark.timeout(300)
