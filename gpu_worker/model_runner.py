@@ -16,7 +16,7 @@ from common.model_source import ModelSource
 from common.protocol import Logprob, ModelRunnerOutput, NewSequenceData, SchedulerOutput, WorkerInfo
 from common.sampling_params import SamplingParams
 from common.speculative import SpeculativeConfig
-from gpu_worker.attention import allocate_kv_cache, get_backend
+from gpu_worker.attention import allocate_kv_cache, get_backend, kv_block_bytes
 from gpu_worker.sampler import build_sampling_batch, draw, logprob_records, prompt_logprobs
 from gpu_worker.spec_decode import Proposer, build_proposer
 from gpu_worker.spec_decode.proposer import CachePair
@@ -80,8 +80,7 @@ class ModelRunner:
                           vocab_size=self.model_config.vocab_size, block_bytes=self.block_bytes())
 
     def block_bytes(self) -> int:
-        mc = self.model_config
-        own = self.block_size * mc.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        own = kv_block_bytes(self.model_config, self.block_size, self.dtype)
         return own + (self.proposer.block_bytes(self.block_size) if self.proposer else 0)
 
     def profile_num_blocks(self) -> tuple[int, int]:
@@ -115,9 +114,8 @@ class ModelRunner:
         self.kv_caches = saved
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
-        mc = self.model_config
-        self.kv_caches, self.host_caches = allocate_kv_cache(mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks,
-                                                             num_host_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches, self.host_caches = allocate_kv_cache(self.model_config, num_blocks, num_host_blocks,
+                                                             self.block_size, self.dtype, self.device)
         if self.proposer is not None:
             self.proposer.init_cache(num_blocks, num_host_blocks)
 

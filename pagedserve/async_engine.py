@@ -25,7 +25,7 @@ from common.protocol import STARTUP_TIMEOUT_S, EngineOutput
 from common.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.cli import config_flags
 from pagedserve.engine_processes import EngineProcesses
-from pagedserve.llm import CompletionOutput, RequestOutput, request_output
+from pagedserve.llm import CompletionOutput, RequestOutput, engine_config, request_output
 from router.engine_client import EngineClient, EngineDead, EngineRejected
 
 PromptType = str | list[int] | dict[str, Any]
@@ -37,11 +37,7 @@ class EngineDeadError(RuntimeError):
 
 class AsyncLLMEngine:
     def __init__(self, model: str | None = None, *, log_level: str = "WARNING", **kwargs: Any):
-        names = {f.name for f in fields(EngineConfig)}
-        unknown = set(kwargs) - names
-        if unknown:
-            raise TypeError(f"unknown AsyncLLMEngine options: {', '.join(sorted(unknown))}")
-        self.config = EngineConfig(model=model, **kwargs)
+        self.config = engine_config(model, kwargs, "AsyncLLMEngine")
         source = ModelSource.resolve(model, self.config.load_format != "dummy")
         self.tokenizer = source.load_tokenizer()
         self.eos_token_ids = eos_token_ids(source.model_config(), self.tokenizer)

@@ -41,13 +41,17 @@ class RequestOutput:
     finished: bool = True
 
 
+def engine_config(model: str | None, options: dict[str, Any], api: str) -> EngineConfig:
+    """EngineConfig from an API's keyword options, naming any that are not engine options."""
+    unknown = set(options) - {f.name for f in fields(EngineConfig)}
+    if unknown:
+        raise TypeError(f"unknown {api} options: {', '.join(sorted(unknown))}")
+    return EngineConfig(model=model, **options)
+
+
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
-        names = {f.name for f in fields(EngineConfig)}
-        unknown = set(kwargs) - names
-        if unknown:
-            raise TypeError(f"unknown LLM options: {', '.join(sorted(unknown))}")
-        self.config = EngineConfig(model=model, **kwargs)
+        self.config = engine_config(model, kwargs, "LLM")
         self.source = ModelSource.resolve(model, self.config.load_format != "dummy")
         self.tokenizer = self.source.load_tokenizer()
         self.eos_token_ids = eos_token_ids(self.source.model_config(), self.tokenizer)

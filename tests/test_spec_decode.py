@@ -228,8 +228,7 @@ def test_draft_cache_holds_exactly_the_verified_tokens(tiny_case, draft_folder) 
         n = st.proposer_state.computed
         nb = -(-n // bs)
         mc = proposer.model_config
-        ref, _ = allocate_kv_cache(mc.num_layers, mc.num_kv_heads, mc.head_dim, nb, 0, bs, torch.float32,
-                                   torch.device("cpu"))
+        ref, _ = allocate_kv_cache(mc, nb, 0, bs, torch.float32, torch.device("cpu"))
         fresh = SequenceState("ref", st.token_ids[:n], n, SamplingParams(), list(range(nb)), 0, None)
         inputs = build_step_inputs({"ref": fresh}, [("ref", n)], bs, torch.device("cpu"))
         with torch.inference_mode():

@@ -12,6 +12,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from common.config import ModelConfig
+
 
 @dataclass
 class AttentionMetadata:
@@ -57,16 +59,21 @@ class AttentionBackend(Protocol[M]):
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]   # per layer (key cache, value cache)
 
 
-def allocate_kv_cache(num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, num_host_blocks: int,
-                      block_size: int, dtype: torch.dtype, device: torch.device) -> tuple[KVCaches, KVCaches]:
+def kv_block_bytes(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of this model's KV cache (keys and values, every layer)."""
+    return block_size * mc.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+
+
+def allocate_kv_cache(mc: ModelConfig, num_blocks: int, num_host_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> tuple[KVCaches, KVCaches]:
     """Zeroed device caches and host caches (pinned on GPU machines, for swapping) in the layout above."""
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
     dev = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-           for _ in range(num_layers)]
+           for _ in range(mc.num_layers)]
     hshape = (num_host_blocks, *shape[1:])
     pin = device.type == "cuda"
     host = [(torch.zeros(hshape, dtype=dtype, pin_memory=pin), torch.zeros(hshape, dtype=dtype, pin_memory=pin))
-            for _ in range(num_layers)] if num_host_blocks else []
+            for _ in range(mc.num_layers)] if num_host_blocks else []
     return dev, host
 
 

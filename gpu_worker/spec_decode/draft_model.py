@@ -25,9 +25,10 @@ import torch
 from common.config import EngineConfig
 from common.model_source import ModelSource
 from common.speculative import SpeculativeConfig
-from gpu_worker.attention import allocate_kv_cache, get_backend
+from gpu_worker.attention import allocate_kv_cache, get_backend, kv_block_bytes
 from gpu_worker.sampler import build_sampling_batch, draw
 from gpu_worker.spec_decode.proposer import CachePair, Drafts, Proposer
+from gpu_worker.spec_decode.rejection import accepted_drafts
 from gpu_worker.step_inputs import SequenceState, build_step_inputs, decode_inputs, row_state
 from gpu_worker.weight_loader import load_model
 
@@ -57,12 +58,11 @@ class DraftModelProposer(Proposer):
 
     # ---- cache ---------------------------------------------------------------------------------
     def block_bytes(self, block_size: int) -> int:
-        return block_size * self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        return kv_block_bytes(self.model_config, block_size, self.dtype)
 
     def init_cache(self, num_blocks: int, num_host_blocks: int) -> None:
-        mc = self.model_config
-        self.kv_caches, self.host_caches = allocate_kv_cache(mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks,
-                                                             num_host_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches, self.host_caches = allocate_kv_cache(self.model_config, num_blocks, num_host_blocks,
+                                                             self.block_size, self.dtype, self.device)
 
     def caches(self) -> list[CachePair]:
         return [(self.kv_caches, self.host_caches)]
@@ -78,7 +78,7 @@ class DraftModelProposer(Proposer):
             ds = st.proposer_state
             if ds is None:     # new to the worker (or rebuilt after a preemption): its cache holds what the target's does
                 ds = st.proposer_state = _DraftState(st.num_computed_tokens)
-            ds.computed += _common_prefix(ds.fed, st.token_ids[ds.computed:end])
+            ds.computed += accepted_drafts(ds.fed, st.token_ids[ds.computed:end])
             ds.fed = []
             if end > ds.computed:
                 views[st.seq_id] = replace(st, num_computed_tokens=ds.computed, spec_token_ids=[])
@@ -136,10 +136,3 @@ class DraftModelProposer(Proposer):
         for st, d in zip(seqs, drafts):
             st.proposer_state.fed = list(d)
         return self.model(ids, pos, self.kv_caches, self.backend.prepare(meta), self.backend)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < len(a) and n < len(b) and a[n] == b[n]:
-        n += 1
-    return n

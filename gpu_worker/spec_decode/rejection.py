@@ -25,10 +25,10 @@ from gpu_worker.step_inputs import SequenceState
 VERIFY_SALT = 2
 
 
-def accepted_drafts(drafts: list[int], target: list[int]) -> int:
-    """How many leading drafts the target's own choices at those positions confirm."""
+def accepted_drafts(drafts: list, target: list) -> int:
+    """How many leading drafts the target's own choices at those positions confirm (the common prefix)."""
     n = 0
-    while n < len(drafts) and drafts[n] == target[n]:
+    while n < len(drafts) and n < len(target) and drafts[n] == target[n]:
         n += 1
     return n
 
@@ -36,17 +36,18 @@ def accepted_drafts(drafts: list[int], target: list[int]) -> int:
 def verify(samples: Samples, seqs: list[SequenceState], num_rows: list[int]) -> tuple[list[int], list[int]]:
     """The token kept at every row (rows past a sequence's last kept one are don't-cares) and how many
     tokens each sequence keeps (1 + its accepted drafts)."""
-    spread = [(st, row) for st, row in zip(seqs, _row_starts(num_rows))
-              if st.spec_token_ids and st.draft_probs is not None]
+    starts = _row_starts(num_rows)
+    spread = [(st, row) for st, row in zip(seqs, starts) if st.spec_token_ids and st.draft_probs is not None]
     ids = samples.ids
     accepted: dict[str, list[bool]] = {}
     if spread:
         ids, accepted = _rejection_sample(samples, spread)
     kept_ids = ids.tolist()
     keep = []
-    for st, row, k in zip(seqs, _row_starts(num_rows), num_rows):
+    for st, row, k in zip(seqs, starts, num_rows):
         acc = accepted.get(st.seq_id)
-        n = _leading_true(acc) if acc is not None else accepted_drafts(st.spec_token_ids, kept_ids[row:row + k - 1])
+        n = accepted_drafts(acc, [True] * len(acc)) if acc is not None else \
+            accepted_drafts(st.spec_token_ids, kept_ids[row:row + k - 1])
         keep.append(1 + n)
     return kept_ids, keep
 
@@ -98,10 +99,3 @@ def _row_starts(num_rows: list[int]) -> list[int]:
         starts.append(row)
         row += k
     return starts
-
-
-def _leading_true(flags: list[bool]) -> int:
-    n = 0
-    while n < len(flags) and flags[n]:
-        n += 1
-    return n
