@@ -42,6 +42,7 @@ class EngineClient:
         self.acks: dict[str, asyncio.Future[Ack]] = {}
         self.stats: Stats | None = None
         self.stats_time = 0.0
+        self._heard = asyncio.Event()      # set by the first Stats
         self._tasks: list[asyncio.Task] = []
         self._failed: str | None = None
 
@@ -51,6 +52,14 @@ class EngineClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.address)
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
+
+    async def wait_for_stats(self, timeout: float) -> bool:
+        """Wait until the scheduler has answered once (False after `timeout`: it is not up yet)."""
+        try:
+            await asyncio.wait_for(self._heard.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -134,6 +143,7 @@ class EngineClient:
                     fut.set_result(msg)
             elif isinstance(msg, Stats):
                 self.stats, self.stats_time = msg, time.monotonic()
+                self._heard.set()
                 if msg.dead:
                     self.fail_all(msg.dead)
 

@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from common.model_source import ModelSource
+from common.protocol import HEARTBEAT_S
 from router.app import ABORT_GRACE_S, STATE, build_app, drain
 from router.config import RouterConfig
 from router.engine_client import EngineClient
@@ -34,6 +35,10 @@ async def _serve(config: RouterConfig) -> None:
     source, tokenizer, vocab_size = await _load_model(config.model)
     client = EngineClient(config.frontend_address)
     await client.start()
+    # A replica joining a running engine binds the shared port only once it has heard the scheduler: the
+    # kernel hands it connections at once, and until the first Stats it would answer them 503 "starting"
+    # while its siblings serve. An engine still starting sends nothing for a while: bind anyway.
+    await client.wait_for_stats(3 * HEARTBEAT_S)
     app = build_app(client, tokenizer, config.served_model_name or source.name, api_key=config.api_key,
                     max_body_bytes=config.max_body_bytes, vocab_size=vocab_size, model_root=str(source.path))
     runner = await _start_site(app, config)
