@@ -71,12 +71,17 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
+# auto: a GGUF keeps its quantized blocks (gguf), anything else runs unquantized (none);
+# int8: dynamic int8 matmuls (a CPU speed mode for large steps).
+QUANTIZATION_METHODS = ("auto", "none", "int8", "gguf")
+
+
 @dataclass
 class EngineConfig:
     """Every tunable of the engine; the CLI flags map one-to-one onto these fields."""
     model: str | None = None
     dtype: str = "auto"
-    quantization: str = "none"            # "int8": dynamic int8 matmuls (CPU speed mode)
+    quantization: str = "auto"            # one of QUANTIZATION_METHODS (gpu_worker/quantization)
     load_format: str = "auto"             # "dummy": random weights, for benchmarks of model shapes alone
     device: str = "auto"
     attention_backend: str = "auto"

@@ -152,6 +152,7 @@ class WorkerInfo:
     max_model_len: int
     vocab_size: int
     block_bytes: int
+    weight_bytes: int = 0        # parameters and packed weights resident on this worker
 
 
 @dataclass

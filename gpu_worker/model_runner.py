@@ -22,7 +22,7 @@ from gpu_worker.spec_decode import Proposer, build_proposer
 from gpu_worker.spec_decode.proposer import CachePair
 from gpu_worker.spec_decode.rejection import verify
 from gpu_worker.step_inputs import PromptLogprobRows, SequenceState, StepInputs, build_step_inputs
-from gpu_worker.weight_loader import load_model
+from gpu_worker.weight_loader import load_model, weight_bytes
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -77,7 +77,8 @@ class ModelRunner:
         num_blocks, num_host = self.profile_num_blocks()
         self.init_kv_cache(num_blocks, num_host)
         return WorkerInfo(num_blocks=num_blocks, num_host_blocks=num_host, max_model_len=self.max_model_len,
-                          vocab_size=self.model_config.vocab_size, block_bytes=self.block_bytes())
+                          vocab_size=self.model_config.vocab_size, block_bytes=self.block_bytes(),
+                          weight_bytes=weight_bytes(self.model))
 
     def block_bytes(self) -> int:
         own = kv_block_bytes(self.model_config, self.block_size, self.dtype)

@@ -3,6 +3,7 @@ lives here and only here; GGUF names are first translated to Hugging Face names.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,12 @@ import torch
 
 from common.config import ModelConfig
 from common.model_source import ModelSource
+from gpu_worker.quantization import resolve_quantization, set_linear_method
+from gpu_worker.quantization.gguf import GGUFTensor
+from gpu_worker.quantization.gguf_blocks import SUPPORTED as GGUF_SUPPORTED
+from gpu_worker.quantization.packed import QuantizedTensor
+
+log = logging.getLogger(__name__)
 
 # (checkpoint name, our module, parameter, shard) for the projections we fuse
 _HF_RULES: list[tuple[re.Pattern, str, str, str]] = [
@@ -69,20 +76,40 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def iter_gguf(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def _rope_heads(mc: ModelConfig, name: str) -> int | None:
+    """Heads whose rows llama.cpp interleaved for this tensor, or None."""
+    if mc.arch != "llama":
+        return None
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return mc.num_heads
+    return mc.num_kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None
+
+
+def iter_gguf(source: ModelSource, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    """HF-named tensors of a GGUF file: fp32, or with `keep_quantized` the matrices of a supported
+    quantized type as GGUFTensor (raw blocks, rows already in HF order)."""
+    from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize
-    reader = source.gguf_reader
     mc = source.model_config()
-    for t in reader.tensors:
+    unsupported: set[str] = set()
+    for t in source.gguf_reader.tensors:
         name = gguf_to_hf(t.name)
         if name is None:
             continue
+        heads = _rope_heads(mc, name)
+        if keep_quantized and t.tensor_type in GGUF_SUPPORTED and len(t.shape) == 2:
+            raw = t.data.reshape(int(t.shape[1]), -1)
+            yield name, GGUFTensor(raw if heads is None else _unpermute_rope(raw, heads), t.tensor_type,
+                                   (int(t.shape[1]), int(t.shape[0])))
+            continue
+        if keep_quantized and t.tensor_type not in (T.F32, T.F16, T.BF16):
+            unsupported.add(t.tensor_type.name)
         arr = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
-        if mc.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            arr = _unpermute_rope(arr, mc.num_heads)
-        elif mc.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            arr = _unpermute_rope(arr, mc.num_kv_heads)
+        if heads is not None:
+            arr = _unpermute_rope(arr, heads)
         yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: F32 tensors are read-only memmaps
+    if unsupported:
+        log.info("GGUF tensors of type %s are not kept quantized: expanded to fp32 at load", ", ".join(sorted(unsupported)))
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
@@ -100,22 +127,37 @@ def load_model(source: ModelSource, model_config: ModelConfig, dtype: torch.dtyp
                max_positions: int, quantization: str, load_format: str) -> torch.nn.Module:
     """Build the model on `device`, choose its Linear method and fill its weights: the target and a
     draft model are made the same way."""
-    from gpu_worker.layers.linear import set_linear_method
     from gpu_worker.models import build_model
+    method = resolve_quantization(quantization, source.kind)
     with torch.device(device):
         model = build_model(model_config, dtype, max_positions)
-        set_linear_method(model, quantization)
-        load_weights(model, source, load_format)
+        set_linear_method(model, method)
+        load_weights(model, source, load_format, keep_quantized=method == "gguf")
+    log.info("model weights resident: %.1f MiB (%s)", weight_bytes(model) / (1 << 20), method)
     return model.eval()
 
 
-def load_weights(model: torch.nn.Module, source: ModelSource, load_format: str = "auto") -> None:
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and packed weight, each storage counted once (tied tables are shared)."""
+    seen: dict[int, int] = {}
+    for m in model.modules():
+        tensors = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
+        packed = getattr(m, "packed", None)
+        if packed is not None:
+            tensors += [packed.q, packed.scale, packed.offset]
+        for t in tensors:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def load_weights(model: torch.nn.Module, source: ModelSource, load_format: str = "auto",
+                 keep_quantized: bool = False) -> None:
     if load_format == "dummy":
         init_dummy_weights(model)
         return
     if load_format != "auto":
         raise ValueError(f"unknown load_format {load_format!r}; expected auto or dummy")
-    tensors = iter_gguf(source) if source.kind == "gguf" else iter_safetensors(source.path)
+    tensors = iter_gguf(source, keep_quantized) if source.kind == "gguf" else iter_safetensors(source.path)
     modules = dict(model.named_modules())
     loaded = set()
     for name, tensor in tensors:
@@ -130,6 +172,8 @@ def load_weights(model: torch.nn.Module, source: ModelSource, load_format: str =
         if hasattr(module, "load"):
             module.load(param, tensor, shard)
         else:
+            if isinstance(tensor, QuantizedTensor):
+                tensor = tensor.dequantize()
             target = getattr(module, param)
             if target.shape != tensor.shape:
                 raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}")

@@ -38,8 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens-cap", type=int, default=None, help="cap every request's max_tokens")
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma list of {', '.join(ALL_SYSTEMS)}")
     p.add_argument("--http-concurrency", default="1,16,64", help="comma list of client concurrencies")
-    p.add_argument("--quantization", default="none",
-                   help="comma list of pagedserve linear methods to run (none = fp32, int8); one row set each")
+    p.add_argument("--quantization", default="auto",
+                   help="comma list of pagedserve linear methods to run (auto = the GGUF kept quantized, none = fp32, "
+                        "int8); one row set each")
     p.add_argument("--static-batch", type=int, default=16, help="batch size of the hfstatic row")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for every system (HF rows, offline, the server's worker); default: torch's")

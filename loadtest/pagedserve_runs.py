@@ -26,20 +26,20 @@ ENGINE_KWARGS: dict[str, Any] = {"dtype": "float32", "kv_cache_memory": 2, "swap
 WARMUP = BenchRequest("warmup", list(range(100, 116)), 4)   # token ids absent from the workload's prompts
 
 
-def engine_kwargs(threads: int | None = None, quantization: str = "none") -> dict[str, Any]:
+def engine_kwargs(threads: int | None = None, quantization: str = "auto") -> dict[str, Any]:
     kw = dict(ENGINE_KWARGS)
     if threads:
         kw["num_threads"] = threads
-    if quantization != "none":
+    if quantization != "auto":
         kw["quantization"] = quantization
     return kw
 
 
 def row_name(base: str, quantization: str) -> str:
-    return base if quantization == "none" else f"{base}-{quantization}"
+    return base if quantization == "auto" else f"{base}-{quantization}"
 
 
-def server_flags(threads: int | None = None, quantization: str = "none") -> list[str]:
+def server_flags(threads: int | None = None, quantization: str = "auto") -> list[str]:
     """ENGINE_KWARGS as `pagedserve serve` flags, so both rows run the same engine configuration."""
     flags = []
     for k, v in engine_kwargs(threads, quantization).items():
@@ -47,7 +47,7 @@ def server_flags(threads: int | None = None, quantization: str = "none") -> list
     return flags
 
 
-def make_llm(threads: int | None = None, model: str | None = None, quantization: str = "none", **overrides: Any):
+def make_llm(threads: int | None = None, model: str | None = None, quantization: str = "auto", **overrides: Any):
     from pagedserve import LLM
     return LLM(model, **{**engine_kwargs(threads, quantization), **overrides})
 
@@ -93,7 +93,7 @@ def drive_engine(llm, reqs: list[BenchRequest], prefix: str) -> tuple[float, lis
 
 
 def run_offline(reqs: list[BenchRequest], threads: int | None = None, model: str | None = None,
-                quantization: str = "none") -> SystemResult:
+                quantization: str = "auto") -> SystemResult:
     res = SystemResult(row_name("offline", quantization), is_pagedserve=True,
                        notes=["pagedserve engine in-process, all requests added at t=0, stepped by hand"])
     llm = make_llm(threads, model, quantization)
@@ -111,7 +111,7 @@ def run_offline(reqs: list[BenchRequest], threads: int | None = None, model: str
 
 
 def run_http(reqs: list[BenchRequest], concurrencies: list[int], threads: int | None = None,
-             model: str | None = None, quantization: str = "none") -> list[SystemResult]:
+             model: str | None = None, quantization: str = "auto") -> list[SystemResult]:
     """One row per concurrency level; a level whose server fails prints as n/a and the next one still runs."""
     rows = []
     for c in concurrencies:

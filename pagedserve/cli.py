@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any, TypeVar
 
-from common.config import EngineConfig
+from common.config import QUANTIZATION_METHODS, EngineConfig
 from common.speculative import SpeculativeConfig
 from pagedserve.engine_processes import EngineProcesses, wait_all
 from router.config import API_KEY_ENV, DEFAULT_FRONTEND, RouterConfig
@@ -129,6 +129,9 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     """Values that would only fail in a child process fail here, at once, naming the flag (exit 2)."""
     if getattr(args, "max_body_bytes", 1) <= 0:
         parser.error("--max-body-bytes must be positive")
+    quant = getattr(args, "quantization", "auto")
+    if quant not in QUANTIZATION_METHODS:
+        parser.error(f"--quantization {quant!r}: expected one of {', '.join(QUANTIZATION_METHODS)}")
     if getattr(args, "speculative_config", None) is not None:
         try:
             spec = SpeculativeConfig.parse(args.speculative_config)

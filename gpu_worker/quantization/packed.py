@@ -1,0 +1,151 @@
+"""A weight matrix kept group-quantized in memory, and the matmul that runs on it.
+
+GGUF blocks today, and any 4/8-bit format with per-group scales and zero points, end up here as
+w[n, k] = scale[n, g] * q[n, k] + offset[n, g]. Values 0..15 (with K a multiple of 32) are packed two to
+a byte; anything else takes a byte. On the CPU the native kernel (gpu_worker/kernels) expands the values
+in registers for steps of up to `GEMM_MAX_ROWS` rows, where reading fewer bytes is the whole win; larger
+steps expand the weight once into fp32 and use the BLAS GEMM. Without the native library, or off the
+CPU, the same expansion is done in torch: slower, with the same values.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gpu_worker.kernels import native
+
+GEMM_MAX_ROWS = 16   # loadtest/qgemm_bench.py: direct wins up to ~16 rows, expand+gemm beyond
+
+
+@dataclass
+class GroupQuant:
+    """Rows of integer values with per-group fp32 scale and offset: w = scale * q + offset."""
+    q: np.ndarray          # integers [rows, K]
+    scale: np.ndarray      # float32 [rows, K // group]
+    offset: np.ndarray     # float32 [rows, K // group]
+    group: int
+
+    def regroup(self, group: int) -> "GroupQuant":
+        """The same weights with groups of `group` (a divisor of ours): scales repeat."""
+        r = self.group // group
+        return GroupQuant(self.q, np.repeat(self.scale, r, axis=1), np.repeat(self.offset, r, axis=1), group)
+
+    @staticmethod
+    def concat(parts: list["GroupQuant"]) -> "GroupQuant":
+        """Stack row blocks (the shards of a fused layer), on their finest common grouping."""
+        g = min(p.group for p in parts)
+        parts = [p.regroup(g) for p in parts]
+        return GroupQuant(np.concatenate([p.q for p in parts]), np.concatenate([p.scale for p in parts]),
+                          np.concatenate([p.offset for p in parts]), g)
+
+
+class QuantizedTensor:
+    """A checkpoint tensor still in its packed form. The loader hands these only to layers that keep
+    weights packed (quantized Linear methods, the embedding); everything else gets plain tensors."""
+    shape: tuple[int, int]
+
+    def groups(self) -> GroupQuant:
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def pack(self, device: torch.device | str = "cpu") -> "PackedWeight":
+        return PackedWeight.from_groups(self.groups(), device)
+
+
+@dataclass
+class PackedWeight:
+    q: torch.Tensor         # uint8 [N, K/2] (bits 4) or int8 [N, K] (bits 8)
+    scale: torch.Tensor     # float32 [N, K/group]
+    offset: torch.Tensor    # float32 [N, K/group]
+    bits: int
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n = self.q.shape[0]
+        return n, self.q.shape[1] * (2 if self.bits == 4 else 1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset))
+
+    @classmethod
+    def from_groups(cls, gq: GroupQuant, device: torch.device | str = "cpu") -> "PackedWeight":
+        q = gq.q
+        rows, k = q.shape
+        if k % 32 or gq.group % 16:
+            raise ValueError(f"packed weights need K a multiple of 32 and groups of 16n, got K={k}, "
+                             f"group {gq.group}")
+        if gq.group & (gq.group - 1):
+            gq = gq.regroup(16)          # the kernel finds groups by shifting
+        if q.min() >= 0 and q.max() <= 15 and q.min() >= 0 and q.max() <= 15:
+            runs = q.reshape(rows, k // 32, 2, 16).astype(np.uint8)
+            packed, bits = (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(rows, k // 2), 4
+        elif q.min() >= -128 and q.max() <= 127:
+            packed, bits = q.astype(np.int8), 8
+        else:
+            raise ValueError(f"quantized values span {q.min()}..{q.max()}, beyond 8 bits")
+        return cls(torch.from_numpy(np.ascontiguousarray(packed)).to(device),
+                   torch.from_numpy(gq.scale).to(device), torch.from_numpy(gq.offset).to(device), bits, gq.group)
+
+    # ---- reading it back -----------------------------------------------------------------------
+    def values(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The integer values of all rows (or of `rows`), as float32."""
+        q = self.q if rows is None else self.q[rows]
+        if self.bits == 8:
+            return q.float()
+        runs = q.reshape(q.shape[0], -1, 1, 16)
+        return torch.cat([runs & 15, runs >> 4], dim=2).reshape(q.shape[0], -1).float()
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 weights of all rows (or of the rows `rows`, e.g. the tokens of an embedding lookup)."""
+        scale = self.scale if rows is None else self.scale[rows]
+        offset = self.offset if rows is None else self.offset[rows]
+        v = self.values(rows)
+        n, k = v.shape
+        w = torch.addcmul(offset[:, :, None], v.reshape(n, -1, self.group), scale[:, :, None])
+        return w.reshape(n, k)
+
+    # ---- the matmul ----------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        # Fixed per weight, so the per-call path (121 calls a decode step) only adds the activations.
+        self._call = (self.q.data_ptr(), self.scale.data_ptr(), self.offset.data_ptr(), self.shape[0],
+                      self.group, self.bits)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T (+ bias) for x of any leading shape; computed in fp32, returned in x's dtype."""
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        if bias is not None and bias.dtype != torch.float32:
+            bias = bias.float()
+        lib = native.library() if x.device.type == "cpu" else None
+        if lib is not None and x2.shape[0] <= GEMM_MAX_ROWS:
+            y = self._native_gemm(lib, x2, bias)
+        else:
+            y = torch.nn.functional.linear(x2, self._dequantize_fast(lib), bias)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y.reshape(*lead, -1) if len(lead) != 1 else y
+
+    def _native_gemm(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        q, scale, offset, n, group, bits = self._call
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        lib.psq_gemm(x.data_ptr(), x.shape[0], x.shape[1], q, scale, offset, n, group, bits,
+                     None if bias is None else bias.data_ptr(), y.data_ptr(), native.cpu_isa())
+        return y
+
+    def _dequantize_fast(self, lib: ctypes.CDLL | None) -> torch.Tensor:
+        if lib is None:
+            return self.dequantize()
+        q, scale, offset, n, group, bits = self._call
+        k = self.shape[1]
+        w = torch.empty(n, k, dtype=torch.float32)
+        lib.psq_dequantize(q, scale, offset, n, k, group, bits, w.data_ptr(), native.cpu_isa())
+        return w

@@ -1,0 +1,157 @@
+"""GGUF weights kept quantized: every supported block type taken apart exactly as gguf-py expands it,
+the native kernel (each instruction-set path) and the torch fallback against an fp64 reference, fused
+layers of mixed types, and the tied embedding / lm_head sharing one packed table."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize, quantize
+
+from gpu_worker.kernels import native
+from gpu_worker.layers.embedding import VocabEmbedding
+from gpu_worker.layers.linear import Linear
+from gpu_worker.quantization import linear_method, resolve_quantization
+from gpu_worker.quantization.gguf import GGUFTensor
+from gpu_worker.quantization.gguf_blocks import SUPPORTED
+from gpu_worker.quantization.packed import GroupQuant, PackedWeight
+
+pytestmark = pytest.mark.unit
+
+QUANTIZABLE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)    # gguf-py writes these; k-quants get random blocks
+
+
+def gguf_tensor(qtype: T, rows: int, k: int, seed: int = 0) -> GGUFTensor:
+    """A [rows, k] tensor in `qtype`: quantized from random floats, or (k-quants, which gguf-py cannot
+    write) random block bytes with finite f16 scales."""
+    rng = np.random.default_rng(seed)
+    if qtype in QUANTIZABLE:
+        raw = quantize(rng.standard_normal((rows, k)).astype(np.float32) * 0.05, qtype)
+    else:
+        block, nbytes = GGML_QUANT_SIZES[qtype]
+        blocks = rng.integers(0, 256, (rows * k // block, nbytes), dtype=np.uint8)
+        f16 = lambda n: rng.uniform(1e-4, 2e-3, (blocks.shape[0], n)).astype(np.float16).view(np.uint8)
+        if qtype == T.Q6_K:
+            blocks[:, 208:210] = f16(1)
+        else:
+            blocks[:, 0:4] = f16(2)
+        raw = blocks.reshape(rows, -1)
+    return GGUFTensor(raw, qtype, (rows, k))
+
+
+def ref_weights(t: GGUFTensor) -> torch.Tensor:
+    return torch.from_numpy(dequantize(t.raw, t.qtype).astype(np.float32).reshape(t.shape))
+
+
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED, key=lambda q: q.name), ids=lambda q: q.name)
+def test_blocks_expand_exactly_as_gguf_does(qtype, monkeypatch):
+    t = gguf_tensor(qtype, 24, 512)
+    pw = t.pack()
+    want = ref_weights(t)
+    assert torch.equal(pw.dequantize(), want)
+    assert pw.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 8)
+    assert native.available(), "the native kernels did not build; scripts/setup.sh builds them"
+    for isa in native.ISA_LEVELS:          # levels above this CPU's are capped to what it has
+        monkeypatch.setenv("PAGEDSERVE_CPU_ISA", isa)
+        assert torch.equal(pw._dequantize_fast(native.library()), want), isa
+    rows = torch.tensor([3, 0, 23, 3])
+    assert torch.equal(pw.dequantize(rows), want[rows])
+
+
+def isa_levels() -> list[str]:
+    return ["portable", "avx2", "avx512"]
+
+
+@pytest.mark.parametrize("isa", isa_levels())
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K, T.Q4_K, T.Q5_0], ids=lambda q: q.name)
+def test_native_matmul_matches_fp64_reference(isa, qtype, monkeypatch):
+    if not native.available():
+        pytest.fail("the native kernels did not build; scripts/setup.sh builds them")
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", isa)
+    if native.cpu_isa() < native.ISA_LEVELS[isa]:
+        pytest.skip(f"this CPU has no {isa}")
+    t = gguf_tensor(qtype, 40, 256, seed=1)
+    pw, w = t.pack(), ref_weights(t).double()
+    bias = torch.randn(40)
+    for rows in (1, 3, 4, 5, 9, 16):     # all tile remainders, within the native GEMM's range
+        x = torch.randn(rows, 256)
+        got = pw.matmul(x, bias)
+        want = x.double() @ w.t() + bias.double()
+        err = ((got.double() - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-6, (rows, err)     # fp32 rounding of a different summation order
+
+
+def test_large_steps_and_the_torch_fallback_agree(monkeypatch):
+    t = gguf_tensor(T.Q4_1, 64, 128, seed=2)
+    pw, w = t.pack(), ref_weights(t)
+    x = torch.randn(40, 128)                     # above GEMM_MAX_ROWS: expanded weights, BLAS GEMM
+    want = x @ w.t()
+    assert torch.allclose(pw.matmul(x), want, atol=1e-5)
+    monkeypatch.setattr(native, "library", lambda: None)
+    for rows in (1, 40):
+        assert torch.allclose(pw.matmul(x[:rows]), want[:rows], atol=1e-5)
+
+
+def test_a_fused_layer_of_mixed_types_keeps_every_shard():
+    """Q4_K_M files mix types inside one fused projection (q/k in Q4_K, v in Q6_K): the shards are
+    regrouped onto the finest grouping and widened to 8 bits together."""
+    layer = Linear(256, {"q": 32, "k": 16, "v": 16}, bias=True, method=linear_method("gguf"))
+    shards = {"q": gguf_tensor(T.Q4_K, 32, 256, 3), "k": gguf_tensor(T.Q4_0, 16, 256, 4),
+              "v": gguf_tensor(T.Q6_K, 16, 256, 5)}
+    for name, t in shards.items():
+        layer.load("weight", t, name)
+    layer.bias.data.normal_()
+    layer.method.process_weights_after_loading(layer)
+    assert layer.packed is not None and layer.packed.bits == 8 and layer.packed.group == 16
+    assert "weight" not in dict(layer.named_parameters())
+    w = torch.cat([ref_weights(shards[s]) for s in ("q", "k", "v")])
+    x = torch.randn(5, 256)
+    assert torch.allclose(layer(x), x @ w.t() + layer.bias, atol=1e-5)
+
+
+def test_a_plain_shard_in_a_quantized_layer_expands_the_layer():
+    layer = Linear(64, {"gate": 8, "up": 8}, method=linear_method("gguf"))
+    q = gguf_tensor(T.Q8_0, 8, 64, 6)
+    plain = torch.randn(8, 64)
+    layer.load("weight", q, "gate")
+    layer.load("weight", plain, "up")
+    layer.method.process_weights_after_loading(layer)
+    assert layer.packed is None
+    assert torch.equal(layer.weight, torch.cat([ref_weights(q), plain]))
+
+
+def test_tied_embedding_and_lm_head_share_one_packed_table():
+    emb = VocabEmbedding(96, 64, torch.float32)
+    t = gguf_tensor(T.Q8_0, 96, 64, 7)
+    emb.load("weight", t)
+    head = Linear(64, 96, method=linear_method("gguf"))
+    head.method.tie(head, emb)
+    assert head.packed is emb.packed
+    w = ref_weights(t)
+    ids = torch.tensor([[5, 0], [95, 5]])
+    assert torch.equal(emb(ids), w[ids])
+    h = torch.randn(3, 64)
+    assert torch.allclose(head(h), h @ w.t(), atol=1e-5)
+
+
+def test_groups_that_are_not_powers_of_two_are_regrouped():
+    rng = np.random.default_rng(8)
+    gq = GroupQuant(rng.integers(0, 16, (4, 96)), rng.random((4, 2), dtype=np.float32),
+                    rng.random((4, 2), dtype=np.float32), 48)
+    pw = PackedWeight.from_groups(gq)
+    assert pw.group == 16
+    want = torch.from_numpy(np.repeat(gq.scale, 48, 1) * gq.q + np.repeat(gq.offset, 48, 1)).float()
+    assert torch.allclose(pw.dequantize(), want)
+
+
+def test_quantization_names_resolve_like_vllm():
+    assert resolve_quantization("auto", "gguf") == "gguf"
+    assert resolve_quantization("auto", "hf") == "none"
+    assert resolve_quantization("none", "gguf") == "none"
+    with pytest.raises(ValueError, match="needs a .gguf"):
+        resolve_quantization("gguf", "hf")
+    with pytest.raises(ValueError, match="unknown quantization 'fp4'"):
+        resolve_quantization("fp4", "gguf")
+
