@@ -155,3 +155,63 @@ def test_quantization_names_resolve_like_vllm():
     with pytest.raises(ValueError, match="unknown quantization 'fp4'"):
         resolve_quantization("fp4", "gguf")
 
+
+
+def test_an_unknown_method_fails_the_cli_at_once(capsys):
+    from pagedserve.cli import main
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--quantization", "fp4"])
+    assert exc.value.code == 2
+    assert "--quantization 'fp4': expected one of auto, none, int8, gguf" in capsys.readouterr().err
+
+
+def test_gguf_on_a_safetensors_model_is_one_clear_error(tiny_model):
+    from pagedserve import LLM
+    with pytest.raises(ValueError, match="quantization 'gguf' needs a .gguf model file"):
+        LLM(str(tiny_model("llama")), dtype="float32", kv_cache_memory=0.01, swap_space=0, quantization="gguf")
+
+
+def test_a_gguf_file_of_every_type_loads_packed_to_the_same_weights(tmp_path):
+    """A tiny llama GGUF whose tensors use every kept type (k-quants need 256 inputs, so hidden is 256):
+    the packed model's weights expand bit for bit to `--quantization none`'s, through the loader's row
+    unpermute of q/k, the fused qkv and gate_up shards of mixed types, and an untied output."""
+    from gguf import GGUFWriter
+
+    from common.model_source import ModelSource
+    from gpu_worker.weight_loader import load_model
+    path = tmp_path / "tiny.gguf"
+    w = GGUFWriter(str(path), "llama")
+    for add, value in [(w.add_block_count, 2), (w.add_embedding_length, 256), (w.add_feed_forward_length, 512),
+                       (w.add_head_count, 4), (w.add_head_count_kv, 2), (w.add_context_length, 128),
+                       (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 10000.0), (w.add_vocab_size, 96)]:
+        add(value)
+    types = {"attn_q": T.Q4_K, "attn_k": T.Q4_0, "attn_v": T.Q6_K, "attn_output": T.Q5_K, "ffn_gate": T.Q4_1,
+             "ffn_up": T.Q5_0, "ffn_down": T.Q5_1}
+    shapes = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_v": (128, 256), "attn_output": (256, 256),
+              "ffn_gate": (512, 256), "ffn_up": (512, 256), "ffn_down": (256, 512)}
+    rng = np.random.default_rng(9)
+    for name, qtype, shape in [("token_embd.weight", T.Q8_0, (96, 256)), ("output.weight", T.Q6_K, (96, 256))]:
+        w.add_tensor(name, gguf_tensor(qtype, *shape, seed=len(name)).raw, raw_dtype=qtype)
+    w.add_tensor("output_norm.weight", rng.random(256, dtype=np.float32))
+    for layer in range(2):
+        for part, qtype in types.items():
+            t = gguf_tensor(qtype, *shapes[part], seed=layer * 10 + len(part))
+            w.add_tensor(f"blk.{layer}.{part}.weight", t.raw, raw_dtype=qtype)
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{layer}.{norm}.weight", rng.random(256, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    source = ModelSource.resolve(str(path))
+    mc = source.model_config()
+    packed_model, ref = (load_model(source, mc, torch.float32, torch.device("cpu"), 128, q, "auto") for q in ("gguf", "none"))
+    ref_modules = dict(ref.named_modules())
+    checked = 0
+    for name, m in packed_model.named_modules():
+        if getattr(m, "packed", None) is not None:
+            assert torch.equal(m.packed.dequantize(), ref_modules[name].weight), name
+            checked += 1
+    assert checked == 2 * 4 + 2          # qkv, o, gate_up, down per layer; the embedding and the output
+

@@ -35,6 +35,7 @@ class DecodeGroup:
     rows: torch.Tensor          # [Bd] their query rows
     blocks: torch.Tensor        # [Bd, nb] block ids to gather, padded to the longest
     mask: torch.Tensor          # [Bd, 1, 1, nb * block_size] valid key positions
+    all_rows: bool = False      # the step's only work, rows 0..Bd-1 in order: no gather or scatter of rows
 
 
 @dataclass
@@ -76,9 +77,11 @@ class TorchAttentionBackend:
         ql, sl = meta.query_lens_list, meta.seq_lens_list
         decodes = sorted((i for i, q in enumerate(ql) if q == 1), key=lambda i: sl[i])
         starts = meta.query_start_loc.tolist()
-        return TorchAttentionMetadata(
-            meta.slot_mapping, [self._decode_group(meta, g) for g in _decode_groups(sl, decodes)],
-            [self._prefill(meta, i, starts[i]) for i, q in enumerate(ql) if q != 1])
+        groups = [self._decode_group(meta, g) for g in _decode_groups(sl, decodes)]
+        if len(groups) == 1 and decodes == list(range(len(ql))):
+            groups[0].all_rows = True      # e.g. every step of a single stream
+        return TorchAttentionMetadata(meta.slot_mapping, groups,
+                                      [self._prefill(meta, i, starts[i]) for i, q in enumerate(ql) if q != 1])
 
     @staticmethod
     def _prefill(meta: AttentionMetadata, i: int, start: int) -> PrefillChunk:
@@ -110,6 +113,8 @@ class TorchAttentionBackend:
     def forward(self, query, key, value, k_cache, v_cache, meta: TorchAttentionMetadata,
                 scale: float) -> torch.Tensor:
         """query [T, Hq, D]; `key`/`value` [T, Hkv, D] are read directly by fresh prefills (no gather)."""
+        if len(meta.decodes) == 1 and meta.decodes[0].all_rows:
+            return self._decode(query, k_cache, v_cache, meta.decodes[0], scale)
         out = torch.empty_like(query)
         for g in meta.decodes:
             out[g.rows] = self._decode(query, k_cache, v_cache, g, scale)
@@ -120,7 +125,7 @@ class TorchAttentionBackend:
     def _decode(self, query, k_cache, v_cache, g: DecodeGroup, scale: float) -> torch.Tensor:
         nh, hd = k_cache.shape[-2:]
         bd, length = g.blocks.shape[0], g.blocks.shape[1] * k_cache.shape[1]
-        q = query[g.rows].unsqueeze(2)                                         # [Bd, Hq, 1, D]
+        q = (query if g.all_rows else query[g.rows]).unsqueeze(2)              # [Bd, Hq, 1, D]
         # gathering whole blocks copies contiguous chunks: much cheaper than a gather per slot
         k = self._gather("k", k_cache, g.blocks).view(bd, length, nh, hd).transpose(1, 2)   # [Bd, Hkv, L, D]
         v = self._gather("v", v_cache, g.blocks).view(bd, length, nh, hd).transpose(1, 2)
