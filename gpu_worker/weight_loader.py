@@ -170,7 +170,10 @@ def load_weights(model: torch.nn.Module, source: ModelSource, load_format: str =
                 continue
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
         if hasattr(module, "load"):
-            module.load(param, tensor, shard)
+            try:
+                module.load(param, tensor, shard)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
         else:
             if isinstance(tensor, QuantizedTensor):
                 tensor = tensor.dequantize()

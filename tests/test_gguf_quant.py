@@ -27,6 +27,10 @@ def gguf_tensor(qtype: T, rows: int, k: int, seed: int = 0) -> GGUFTensor:
     """A [rows, k] tensor in `qtype`: quantized from random floats, or (k-quants, which gguf-py cannot
     write) random block bytes with finite f16 scales."""
     rng = np.random.default_rng(seed)
+    if qtype == T.Q2_K:                  # d and dmin are its last four bytes
+        blocks = rng.integers(0, 256, (rows * k // 256, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+        blocks[:, -4:] = rng.uniform(1e-4, 2e-3, (blocks.shape[0], 2)).astype(np.float16).view(np.uint8)
+        return GGUFTensor(blocks.reshape(rows, -1), qtype, (rows, k))
     if qtype in QUANTIZABLE:
         raw = quantize(rng.standard_normal((rows, k)).astype(np.float32) * 0.05, qtype)
     else:
@@ -171,24 +175,21 @@ def test_gguf_on_a_safetensors_model_is_one_clear_error(tiny_model):
         LLM(str(tiny_model("llama")), dtype="float32", kv_cache_memory=0.01, swap_space=0, quantization="gguf")
 
 
-def test_a_gguf_file_of_every_type_loads_packed_to_the_same_weights(tmp_path):
-    """A tiny llama GGUF whose tensors use every kept type (k-quants need 256 inputs, so hidden is 256):
-    the packed model's weights expand bit for bit to `--quantization none`'s, through the loader's row
-    unpermute of q/k, the fused qkv and gate_up shards of mixed types, and an untied output."""
-    from gguf import GGUFWriter
+TINY_TYPES = {"attn_q": T.Q4_K, "attn_k": T.Q4_0, "attn_v": T.Q6_K, "attn_output": T.Q5_K, "ffn_gate": T.Q4_1,
+              "ffn_up": T.Q5_0, "ffn_down": T.Q5_1}
+TINY_SHAPES = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_v": (128, 256), "attn_output": (256, 256),
+               "ffn_gate": (512, 256), "ffn_up": (512, 256), "ffn_down": (256, 512)}
 
-    from common.model_source import ModelSource
-    from gpu_worker.weight_loader import load_model
-    path = tmp_path / "tiny.gguf"
+
+def write_tiny_gguf(path, shapes=TINY_SHAPES, types=TINY_TYPES):
+    """A tiny llama GGUF (2 layers, hidden 256: k-quants need 256 inputs) whose matrices use every kept
+    type, with an untied output."""
+    from gguf import GGUFWriter
     w = GGUFWriter(str(path), "llama")
     for add, value in [(w.add_block_count, 2), (w.add_embedding_length, 256), (w.add_feed_forward_length, 512),
                        (w.add_head_count, 4), (w.add_head_count_kv, 2), (w.add_context_length, 128),
                        (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 10000.0), (w.add_vocab_size, 96)]:
         add(value)
-    types = {"attn_q": T.Q4_K, "attn_k": T.Q4_0, "attn_v": T.Q6_K, "attn_output": T.Q5_K, "ffn_gate": T.Q4_1,
-             "ffn_up": T.Q5_0, "ffn_down": T.Q5_1}
-    shapes = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_v": (128, 256), "attn_output": (256, 256),
-              "ffn_gate": (512, 256), "ffn_up": (512, 256), "ffn_down": (256, 512)}
     rng = np.random.default_rng(9)
     for name, qtype, shape in [("token_embd.weight", T.Q8_0, (96, 256)), ("output.weight", T.Q6_K, (96, 256))]:
         w.add_tensor(name, gguf_tensor(qtype, *shape, seed=len(name)).raw, raw_dtype=qtype)
@@ -203,10 +204,21 @@ def test_a_gguf_file_of_every_type_loads_packed_to_the_same_weights(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
 
+
+def load_tiny(path, quantization):
+    from common.model_source import ModelSource
+    from gpu_worker.weight_loader import load_model
     source = ModelSource.resolve(str(path))
-    mc = source.model_config()
-    packed_model, ref = (load_model(source, mc, torch.float32, torch.device("cpu"), 128, q, "auto") for q in ("gguf", "none"))
+    return load_model(source, source.model_config(), torch.float32, torch.device("cpu"), 128, quantization, "auto")
+
+
+def test_a_gguf_file_of_every_type_loads_packed_to_the_same_weights(tmp_path):
+    """The packed model's weights expand bit for bit to `--quantization none`'s, through the loader's row
+    unpermute of q/k, the fused qkv and gate_up shards of mixed types, and the untied output."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    packed_model, ref = load_tiny(path, "gguf"), load_tiny(path, "none")
     ref_modules = dict(ref.named_modules())
     checked = 0
     for name, m in packed_model.named_modules():
@@ -215,3 +227,20 @@ def test_a_gguf_file_of_every_type_loads_packed_to_the_same_weights(tmp_path):
             checked += 1
     assert checked == 2 * 4 + 2          # qkv, o, gate_up, down per layer; the embedding and the output
 
+
+def test_a_malformed_gguf_tensor_is_one_error_naming_it(tmp_path):
+    path = write_tiny_gguf(tmp_path / "bad.gguf", {**TINY_SHAPES, "attn_k": (64, 256)})
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model.layers.0.self_attn.k_proj.weight': "
+                                         r"shape mismatch for weight\[k\]: checkpoint \(64, 256\), expected \(128, 256\)"):
+        load_tiny(path, "gguf")
+
+
+def test_a_type_we_do_not_keep_is_expanded_at_load_with_one_log_line(tmp_path, caplog):
+    path = write_tiny_gguf(tmp_path / "q2k.gguf", types={**TINY_TYPES, "ffn_down": T.Q2_K})
+    with caplog.at_level("INFO", logger="gpu_worker.weight_loader"):
+        model, ref = load_tiny(path, "gguf"), load_tiny(path, "none")
+    lines = [r.getMessage() for r in caplog.records if "not kept quantized" in r.getMessage()]
+    assert lines == ["GGUF tensors of type Q2_K are not kept quantized: expanded to fp32 at load"]
+    down = model.layers[0].mlp.down_proj
+    assert down.packed is None and torch.equal(down.weight, ref.layers[0].mlp.down_proj.weight)
+    assert model.layers[0].mlp.gate_up_proj.packed is not None

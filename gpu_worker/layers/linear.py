@@ -25,11 +25,18 @@ class LinearMethod:
         if isinstance(tensor, QuantizedTensor):
             tensor = tensor.dequantize()
         target = getattr(layer, param)
-        lo, hi = layer.shard_ranges[shard]
-        if tuple(tensor.shape) != (hi - lo, *target.shape[1:]):
-            raise ValueError(f"shape mismatch for {param}[{shard or 'all'}]: checkpoint {tuple(tensor.shape)}, "
-                             f"expected {(hi - lo, *target.shape[1:])}")
+        lo, hi = self.shard_rows(layer, param, shard, tuple(tensor.shape), tuple(target.shape[1:]))
         target.data[lo:hi].copy_(tensor)
+
+    @staticmethod
+    def shard_rows(layer: "Linear", param: str, shard: str, got: tuple[int, ...],
+                   row_shape: tuple[int, ...]) -> tuple[int, int]:
+        """The rows of `shard`, after checking a checkpoint tensor of shape `got` fits them."""
+        lo, hi = layer.shard_ranges[shard]
+        if got != (hi - lo, *row_shape):
+            raise ValueError(f"shape mismatch for {param}[{shard or 'all'}]: checkpoint {got}, "
+                             f"expected {(hi - lo, *row_shape)}")
+        return lo, hi
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
         """Hook for repacking (quantize, transpose for a faster kernel) once the weights are in."""

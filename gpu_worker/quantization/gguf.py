@@ -42,10 +42,7 @@ class GGUFLinearMethod(LinearMethod):
 
     def load_weight(self, layer: Linear, param: str, tensor, shard: str) -> None:
         if param == "weight" and isinstance(tensor, QuantizedTensor):
-            lo, hi = layer.shard_ranges[shard]
-            if tuple(tensor.shape) != (hi - lo, layer.in_features):
-                raise ValueError(f"shape mismatch for weight[{shard or 'all'}]: checkpoint {tuple(tensor.shape)}, "
-                                 f"expected {(hi - lo, layer.in_features)}")
+            self.shard_rows(layer, param, shard, tuple(tensor.shape), (layer.in_features,))
             layer.pending_shards[shard] = tensor
         else:
             super().load_weight(layer, param, tensor, shard)
