@@ -74,6 +74,8 @@ class ModelConfig:
 # auto: a GGUF keeps its quantized blocks (gguf), anything else runs unquantized (none);
 # int8: dynamic int8 matmuls (a CPU speed mode for large steps).
 QUANTIZATION_METHODS = ("auto", "none", "int8", "gguf")
+# auto: the model's dtype; fp8 is fp8_e4m3 (vLLM's names). fp8 entries hold 2x bf16's tokens per byte.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -82,6 +84,7 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     quantization: str = "auto"            # one of QUANTIZATION_METHODS (gpu_worker/quantization)
+    kv_cache_dtype: str = "auto"          # one of KV_CACHE_DTYPES
     load_format: str = "auto"             # "dummy": random weights, for benchmarks of model shapes alone
     device: str = "auto"
     attention_backend: str = "auto"

@@ -16,7 +16,8 @@ from common.model_source import ModelSource
 from common.protocol import Logprob, ModelRunnerOutput, NewSequenceData, SchedulerOutput, WorkerInfo
 from common.sampling_params import SamplingParams
 from common.speculative import SpeculativeConfig
-from gpu_worker.attention import allocate_kv_cache, get_backend, kv_block_bytes
+from gpu_worker.attention import (allocate_kv_cache, get_backend, index_copy_rows, kv_block_bytes,
+                                  resolve_kv_cache_dtype)
 from gpu_worker.sampler import build_sampling_batch, draw, logprob_records, prompt_logprobs
 from gpu_worker.spec_decode import Proposer, build_proposer
 from gpu_worker.spec_decode.proposer import CachePair
@@ -51,6 +52,7 @@ class ModelRunner:
         self.model_config: ModelConfig = self.source.model_config()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self.max_model_len = min(config.max_model_len or self.model_config.max_context, self.model_config.max_context)
@@ -81,7 +83,7 @@ class ModelRunner:
                           weight_bytes=weight_bytes(self.model))
 
     def block_bytes(self) -> int:
-        own = kv_block_bytes(self.model_config, self.block_size, self.dtype)
+        own = kv_block_bytes(self.model_config, self.block_size, self.kv_dtype)
         return own + (self.proposer.block_bytes(self.block_size) if self.proposer else 0)
 
     def profile_num_blocks(self) -> tuple[int, int]:
@@ -116,7 +118,7 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
         self.kv_caches, self.host_caches = allocate_kv_cache(self.model_config, num_blocks, num_host_blocks,
-                                                             self.block_size, self.dtype, self.device)
+                                                             self.block_size, self.kv_dtype, self.device)
         if self.proposer is not None:
             self.proposer.init_cache(num_blocks, num_host_blocks)
 
@@ -221,5 +223,5 @@ class ModelRunner:
         dst = torch.tensor([p[1] for p in pairs])
         for (sk, sv), (dk, dv) in zip(src_caches, dst_caches):
             s_idx, d_idx = src.to(sk.device), dst.to(dk.device)
-            dk.index_copy_(0, d_idx, sk.index_select(0, s_idx).to(dk.device, non_blocking=True))
-            dv.index_copy_(0, d_idx, sv.index_select(0, s_idx).to(dv.device, non_blocking=True))
+            index_copy_rows(dk, d_idx, sk.index_select(0, s_idx).to(dk.device, non_blocking=True))
+            index_copy_rows(dv, d_idx, sv.index_select(0, s_idx).to(dv.device, non_blocking=True))

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any, TypeVar
 
-from common.config import QUANTIZATION_METHODS, EngineConfig
+from common.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
 from common.speculative import SpeculativeConfig
 from pagedserve.engine_processes import EngineProcesses, wait_all
 from router.config import API_KEY_ENV, DEFAULT_FRONTEND, RouterConfig
@@ -22,6 +22,9 @@ _ENGINE_HELP = {
     "kv_cache_memory": "GiB of memory for the KV cache on CPU",
     "swap_space": "GiB of host memory for swapped-out KV blocks (0 disables swapping)",
     "num_gpu_blocks": "fix the number of KV blocks instead of sizing from memory",
+    "quantization": "auto (a .gguf keeps its quantized blocks), none (fp32 reference), int8 or gguf",
+    "kv_cache_dtype": "KV cache entries: auto (the model dtype), float32, bfloat16, float16, fp8 (= fp8_e4m3), "
+                      "fp8_e5m2",
 }
 _ROUTER_HELP = {
     "frontend_address": "the scheduler's frontend address",
@@ -132,6 +135,9 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     quant = getattr(args, "quantization", "auto")
     if quant not in QUANTIZATION_METHODS:
         parser.error(f"--quantization {quant!r}: expected one of {', '.join(QUANTIZATION_METHODS)}")
+    kv = getattr(args, "kv_cache_dtype", "auto")
+    if kv not in KV_CACHE_DTYPES:
+        parser.error(f"--kv-cache-dtype {kv!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
     if getattr(args, "speculative_config", None) is not None:
         try:
             spec = SpeculativeConfig.parse(args.speculative_config)

@@ -197,3 +197,48 @@ def test_rejects_bad_shapes() -> None:
         backend.forward(torch.zeros(2, 3, 16, device=DEVICE), kv, kv, cache, cache, tm, 1.0)
     with pytest.raises(ValueError, match="head_dim"):
         backend.forward(torch.zeros(2, 2, 32, device=DEVICE), kv, kv, cache, cache, tm, 1.0)
+
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.25, 3.0)], ids=["unscaled", "scaled"])
+def test_fp8_cache_write_then_forward_matches_torch(kv_dtype: torch.dtype, scales: tuple[float, float]) -> None:
+    """An fp8 cache with per-layer k/v scales: both backends store the same bytes, and their outputs agree
+    with each other and with fp32 attention over the values the cache gives back (scale * stored)."""
+    gen = torch.Generator().manual_seed(9)
+    hq, hkv, d, bs = 4, 2, 32, 8
+    ks, vs = scales
+    meta = make_meta(MIXED, bs, 24, gen)
+    t = len(meta.slot_mapping)
+    query, key, value = (rand((t, h, d), torch.float32, gen) for h in (hq, hkv, hkv))
+    k0, v0 = (rand((24, bs, hkv, d), torch.float32, gen).to(kv_dtype) for _ in range(2))
+    kt, vt, kr, vr = k0.clone(), v0.clone(), k0.clone(), v0.clone()
+    tri, ref = TritonAttentionBackend(), TorchAttentionBackend()
+    tm, rm = tri.prepare(meta), ref.prepare(meta)
+    tri.write_kv(key, value, kt, vt, tm, ks, vs)
+    ref.write_kv(key, value, kr, vr, rm, ks, vs)
+    assert torch.equal(kt.view(torch.uint8), kr.view(torch.uint8)) and torch.equal(vt.view(torch.uint8), vr.view(torch.uint8))
+    out = tri.forward(query, key, value, kt, vt, tm, 0.2, ks, vs)
+    got = ref.forward(query, key, value, kr, vr, rm, 0.2, ks, vs)
+    torch.testing.assert_close(out, got, **TOL[torch.float32])
+    # the fp32 reference over what the cache holds: fresh prefills too read their K/V back through fp8
+    kf, vf = kr.float() * ks, vr.float() * vs
+    back_k = kf.view(-1, hkv, d)[meta.slot_mapping]
+    back_v = vf.view(-1, hkv, d)[meta.slot_mapping]
+    want = ref.forward(query, back_k, back_v, kf, vf, ref.prepare(meta), 0.2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    exact_k, exact_v = kf.clone(), vf.clone()            # fp32 caches hold this step's K/V unrounded
+    ref.write_kv(key, value, exact_k, exact_v, rm)
+    exact = ref.forward(query, key, value, exact_k, exact_v, rm, 0.2)
+    assert (got - exact).abs().max() > 1e-3, "the fp8 cache must really round"
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
+def test_fp8_cache_saturates_rather_than_overflowing(kv_dtype: torch.dtype) -> None:
+    from gpu_worker.attention import to_cache
+    top = torch.finfo(kv_dtype).max
+    x = torch.tensor([1e6, -1e6, 3.0, 2 * top])
+    assert to_cache(x, kv_dtype, 1.0).float().tolist() == [top, -top, 3.0, top]
+    assert to_cache(x, kv_dtype, 4.0).float().tolist()[2] == 0.75

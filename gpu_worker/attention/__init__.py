@@ -47,16 +47,52 @@ class AttentionBackend(Protocol[M]):
         """Precompute per-step index tensors once so each layer's forward only does tensor work."""
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: M) -> None:
-        """Scatter this step's key/value [T, Hkv, D] into the layer's cache."""
+                 meta: M, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """Scatter this step's key/value [T, Hkv, D] into the layer's cache (to_cache: an fp8 cache holds
+        them divided by the layer's scales)."""
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: M, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: M, scale: float, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
         """Attention output [T, Hq, D] of the step's queries over the cache (already holding this step's
-        K/V); `key`/`value` are the step's new K/V, which a backend may read directly where it helps."""
+        K/V); `key`/`value` are the step's new K/V, which a backend may read directly where it helps,
+        but only as the cache would give them back."""
 
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]   # per layer (key cache, value cache)
+
+_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+              "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    if name == "auto":
+        return model_dtype
+    if name not in _KV_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; expected auto or one of {', '.join(_KV_DTYPES)}")
+    return _KV_DTYPES[name]
+
+
+def cache_scale(dtype: torch.dtype, scale: float) -> float:
+    """The layer's k or v scale where a cache of `dtype` holds values divided by it (fp8), else 1."""
+    return float(scale) if dtype in FP8_DTYPES else 1.0
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """K or V as a cache of `dtype` stores it: fp8 divided by the layer's scale and saturated at the
+    format's largest value (a plain cast turns e4m3's overflow into NaN)."""
+    if dtype not in FP8_DTYPES:
+        return x.to(dtype)
+    top = torch.finfo(dtype).max
+    return (x if scale == 1.0 else x / scale).clamp(-top, top).to(dtype)
+
+
+def index_copy_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.index_copy_(0, index, src) for any cache dtype (torch's CPU kernel has no fp8: move bytes)."""
+    if dst.dtype in FP8_DTYPES:
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    dst.index_copy_(0, index, src)
 
 
 def kv_block_bytes(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.attention import AttentionMetadata
+from gpu_worker.attention import FP8_DTYPES, AttentionMetadata, cache_scale, index_copy_rows, to_cache
 
 # decodes whose lengths differ by more than this factor go to separate SDPA calls
 _DECODE_GROUP_SPREAD = 2.0
@@ -105,22 +105,31 @@ class TorchAttentionBackend:
                            blocks=meta.block_tables[idx, :num_blocks].long(),
                            mask=(pos[None, :] < meta.seq_lens[idx][:, None].to(pos.dtype))[:, None, None, :])
 
-    def write_kv(self, key, value, k_cache, v_cache, meta: TorchAttentionMetadata) -> None:
+    def write_kv(self, key, value, k_cache, v_cache, meta: TorchAttentionMetadata, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
         nh, hd = k_cache.shape[-2:]
-        k_cache.view(-1, nh, hd).index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
-        v_cache.view(-1, nh, hd).index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
+        index_copy_rows(k_cache.view(-1, nh, hd), meta.slot_mapping, to_cache(key, k_cache.dtype, k_scale))
+        index_copy_rows(v_cache.view(-1, nh, hd), meta.slot_mapping, to_cache(value, v_cache.dtype, v_scale))
 
-    def forward(self, query, key, value, k_cache, v_cache, meta: TorchAttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """query [T, Hq, D]; `key`/`value` [T, Hkv, D] are read directly by fresh prefills (no gather)."""
+    def forward(self, query, key, value, k_cache, v_cache, meta: TorchAttentionMetadata, scale: float,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        """query [T, Hq, D]; `key`/`value` [T, Hkv, D] are read directly by fresh prefills (no gather).
+        K and V are read as the cache holds them (for fp8, divided by the layer's scales): the scales
+        multiply the softmax scale and the output, so every path sees the same values."""
+        if k_cache.dtype in FP8_DTYPES and meta.prefills:
+            key = to_cache(key, k_cache.dtype, k_scale).to(query.dtype)      # what a later step reads back
+            value = to_cache(value, v_cache.dtype, v_scale).to(query.dtype)
+        scale = scale * cache_scale(k_cache.dtype, k_scale)
+        v_scale = cache_scale(v_cache.dtype, v_scale)
         if len(meta.decodes) == 1 and meta.decodes[0].all_rows:
-            return self._decode(query, k_cache, v_cache, meta.decodes[0], scale)
-        out = torch.empty_like(query)
-        for g in meta.decodes:
-            out[g.rows] = self._decode(query, k_cache, v_cache, g, scale)
-        for p in meta.prefills:
-            out[p.rows] = self._prefill_attention(query, key, value, k_cache, v_cache, p, scale)
-        return out
+            out = self._decode(query, k_cache, v_cache, meta.decodes[0], scale)
+        else:
+            out = torch.empty_like(query)
+            for g in meta.decodes:
+                out[g.rows] = self._decode(query, k_cache, v_cache, g, scale)
+            for p in meta.prefills:
+                out[p.rows] = self._prefill_attention(query, key, value, k_cache, v_cache, p, scale)
+        return out if v_scale == 1.0 else out * v_scale
 
     def _decode(self, query, k_cache, v_cache, g: DecodeGroup, scale: float) -> torch.Tensor:
         nh, hd = k_cache.shape[-2:]

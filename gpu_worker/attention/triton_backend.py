@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from gpu_worker.attention import AttentionMetadata
+from gpu_worker.attention import AttentionMetadata, cache_scale, to_cache
 
 try:  # Triton is optional: CPU-only deployments use the torch backend.
     import triton
@@ -86,7 +86,8 @@ def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, context_lens_ptr,
     tile_seq_ptr, tile_qoff_ptr,
-    qk_scale,                       # softmax scale * log2(e): the softmax runs in base 2 (exp2)
+    qk_scale,                       # softmax scale * k scale * log2(e): the softmax runs in base 2 (exp2)
+    v_scale,                        # the layer's v scale (1.0 unless the cache is fp8)
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kcb, stride_kco, stride_kch, stride_kcd,
@@ -162,7 +163,7 @@ def _paged_attention_kernel(
         m_i = m_new
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None] * v_scale
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -255,7 +256,7 @@ class TritonAttentionBackend:
 
     # ---------------------------------------------------------------------------------- kernels
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 tm: TritonAttentionMetadata) -> None:
+                 tm: TritonAttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         """Scatter this step's key/value [T, Hkv, D] into the caches at meta.slot_mapping (slots < 0 skipped)."""
         num_tokens = key.shape[0]
         if num_tokens == 0:
@@ -265,6 +266,9 @@ class TritonAttentionBackend:
         if key.shape[1:] != (nkv, hd) or value.shape[1:] != (nkv, hd):
             raise ValueError(f"key/value {tuple(key.shape)}/{tuple(value.shape)} do not match cache heads "
                              f"{nkv} x {hd}")
+        # converted (scaled, saturated, rounded) by torch, so both backends store the same bytes; the
+        # kernel then only scatters (Triton's interpreter also rounds fp8 wrongly at a binade's edge)
+        key, value = to_cache(key, k_cache.dtype, k_scale), to_cache(value, v_cache.dtype, v_scale)
         write_kernel[(num_tokens,)](
             key, value, k_cache, v_cache, tm.base.slot_mapping,
             *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
@@ -273,7 +277,8 @@ class TritonAttentionBackend:
         )
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, tm: TritonAttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, tm: TritonAttentionMetadata, scale: float, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
         """query [T, Hq, D] -> [T, Hq, D]. Reads K/V only from the cache (write_kv must have run for this
         step's tokens); the step's own `key`/`value` are not needed."""
         meta = tm.base
@@ -296,7 +301,7 @@ class TritonAttentionBackend:
             out, query, k_cache, v_cache,
             meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.context_lens,
             tile_seq, tile_qoff,
-            float(scale) * _LOG2E,
+            float(scale) * cache_scale(k_cache.dtype, k_scale) * _LOG2E, cache_scale(v_cache.dtype, v_scale),
             *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
             meta.block_tables.stride(0),
             head_dim, meta.block_size,

@@ -30,6 +30,14 @@ class Attention(nn.Module):
         self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, dtype=dtype)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
+        self.k_scale = self.v_scale = 1.0      # what an fp8 KV cache divides K and V by
+
+    def load(self, param: str, tensor: torch.Tensor, shard: str = "") -> None:
+        """The checkpoint's own tensors of this module are the fp8 KV cache scales (`self_attn.k_scale`,
+        `self_attn.v_scale`, as FP8 checkpoints name them): one number each."""
+        if param not in ("k_scale", "v_scale") or tensor.numel() != 1:
+            raise ValueError(f"expected a one-element k_scale or v_scale, got {param} of shape {tuple(tensor.shape)}")
+        setattr(self, param, float(tensor.reshape(-1)[0]))
 
     def forward(self, x: torch.Tensor, rot: Rotation,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: Any,
@@ -43,8 +51,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rot.apply(q, k)
         k_cache, v_cache = kv_cache
-        backend.write_kv(k, v, k_cache, v_cache, meta)
-        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        backend.write_kv(k, v, k_cache, v_cache, meta, self.k_scale, self.v_scale)
+        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -25,7 +25,7 @@ import torch
 from common.config import EngineConfig
 from common.model_source import ModelSource
 from common.speculative import SpeculativeConfig
-from gpu_worker.attention import allocate_kv_cache, get_backend, kv_block_bytes
+from gpu_worker.attention import allocate_kv_cache, get_backend, kv_block_bytes, resolve_kv_cache_dtype
 from gpu_worker.sampler import build_sampling_batch, draw
 from gpu_worker.spec_decode.proposer import CachePair, Drafts, Proposer
 from gpu_worker.spec_decode.rejection import accepted_drafts
@@ -49,7 +49,7 @@ class DraftModelProposer(Proposer):
         self.model = load_model(source, self.model_config, dtype, device, max_model_len, engine.quantization,
                                 engine.load_format)
         self.backend = get_backend(engine.attention_backend, device)
-        self.device, self.dtype = device, dtype
+        self.device, self.kv_dtype = device, resolve_kv_cache_dtype(engine.kv_cache_dtype, dtype)
         self.max_model_len, self.block_size = max_model_len, block_size
         self.eos_ids = eos_ids                     # the runner's set: it gains the tokenizer's at start-up
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -58,11 +58,11 @@ class DraftModelProposer(Proposer):
 
     # ---- cache ---------------------------------------------------------------------------------
     def block_bytes(self, block_size: int) -> int:
-        return kv_block_bytes(self.model_config, block_size, self.dtype)
+        return kv_block_bytes(self.model_config, block_size, self.kv_dtype)
 
     def init_cache(self, num_blocks: int, num_host_blocks: int) -> None:
         self.kv_caches, self.host_caches = allocate_kv_cache(self.model_config, num_blocks, num_host_blocks,
-                                                             self.block_size, self.dtype, self.device)
+                                                             self.block_size, self.kv_dtype, self.device)
 
     def caches(self) -> list[CachePair]:
         return [(self.kv_caches, self.host_caches)]
