@@ -33,3 +33,34 @@ def test_triton_engine_matches_hf_on_cuda(arch, dtype, exact, tiny_model, defaul
         assert flips == 0
     else:
         assert flips <= 1
+
+
+def test_fp8_kv_cache_on_cuda_agrees_between_backends(tiny_model, default_tokenizer):
+    """Compiled Triton kernels read an fp8 cache (native conversions) as the torch backend does."""
+    assert torch.cuda.is_available(), "this test is for a machine with a GPU"
+    prompts = [default_tokenizer.encode(t) for t in ("The quick brown fox", "Once upon a time in a land far away")]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = {}
+    for backend in ("triton", "torch"):
+        llm = LLM(str(tiny_model("llama")), dtype="float32", device="cuda", attention_backend=backend,
+                  num_gpu_blocks=256, kv_cache_dtype="fp8")
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert outs["triton"] == outs["torch"]
+
+
+def test_gguf_kept_quantized_on_cuda(tmp_path):
+    """Off the CPU the packed weights expand in torch: the same weights as the fp32 expansion."""
+    assert torch.cuda.is_available(), "this test is for a machine with a GPU"
+    from common.model_source import ModelSource
+    from gpu_worker.weight_loader import load_model
+    from tests.test_gguf_quant import write_tiny_gguf
+    source = ModelSource.resolve(str(write_tiny_gguf(tmp_path / "tiny.gguf")))
+    models = {q: load_model(source, source.model_config(), torch.float32, torch.device("cuda"), 128, q, "auto")
+              for q in ("gguf", "none")}
+    ref = dict(models["none"].named_modules())
+    packed = [(n, m) for n, m in models["gguf"].named_modules() if getattr(m, "packed", None) is not None]
+    assert len(packed) == 10
+    for name, m in packed:
+        assert torch.equal(m.packed.dequantize(), ref[name].weight), name
+        x = torch.randn(3, m.packed.shape[1], device="cuda")
+        torch.testing.assert_close(m.packed.matmul(x), x @ ref[name].weight.t(), atol=1e-4, rtol=1e-4)
