@@ -9,9 +9,18 @@ from pagedserve import LLM, SamplingParams
 from tests.test_correctness import ENGINE_VARIANTS, prompt_ids, run_greedy
 from tests.test_gguf_model import ENGINE_CORE_TEXTS
 
-pytestmark = pytest.mark.slow
 
 
+@pytest.mark.unit
+def test_an_unknown_kv_cache_dtype_fails_the_cli_at_once(capsys):
+    from pagedserve.cli import main
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--kv-cache-dtype", "fp4"])
+    assert exc.value.code == 2
+    assert "--kv-cache-dtype 'fp4': expected one of auto, float32, bfloat16, float16, fp8" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_fp8_holds_twice_the_blocks_of_bf16(tiny_model):
     blocks = {kv: LLM(str(tiny_model("llama")), dtype="float32", kv_cache_memory=0.02, swap_space=0,
                       kv_cache_dtype=kv).engine.num_blocks for kv in ("bfloat16", "fp8", "fp8_e5m2", "auto")}
@@ -34,6 +43,7 @@ VARIANTS = {**ENGINE_VARIANTS,
             "swap": dict(num_gpu_blocks=12, swap_space=0.001, enable_prefix_caching=False)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fp8_engine_variants_agree(variant, fp8_case):
     folder, prompts, want = fp8_case
@@ -58,6 +68,7 @@ def test_fp8_engine_variants_agree(variant, fp8_case):
 TOP1_FLOOR = {"fp8": 0.92, "fp8_e5m2": 0.88}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", list(TOP1_FLOOR))
 def test_fp8_top_token_agreement_with_an_fp32_cache(default_tokenizer, kv_dtype):
     """Teacher-forced on the engine-core prompts and 32 tokens of the fp32 engine's own greedy
@@ -80,6 +91,7 @@ def test_fp8_top_token_agreement_with_an_fp32_cache(default_tokenizer, kv_dtype)
     assert max(abs(a - b) for a, b in zip(lps["auto"], lps[kv_dtype])) > 1e-3, "the fp8 cache must really round"
 
 
+@pytest.mark.slow
 def test_checkpoint_kv_scales_are_loaded_and_used(tiny_model, tmp_path):
     """Per-layer k/v scales from the checkpoint (`self_attn.k_scale` / `v_scale`) reach the attention
     layers and the engine runs with them (what a scaled fp8 cache stores: test_triton_attention)."""

@@ -12,7 +12,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from common.config import ModelConfig
+from common.config import KV_CACHE_DTYPES, ModelConfig
 
 
 @dataclass
@@ -64,6 +64,7 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]   # per layer (key cache, val
 _KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
               "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+assert set(_KV_DTYPES) | {"auto"} == set(KV_CACHE_DTYPES)      # the CLI's choices are these
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
