@@ -144,7 +144,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
         tensors = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
         packed = getattr(m, "packed", None)
         if packed is not None:
-            tensors += [packed.q, packed.scale, packed.offset]
+            tensors += packed.tensors
         for t in tensors:
             seen[t.data_ptr()] = t.numel() * t.element_size()
     return sum(seen.values())

@@ -71,8 +71,8 @@ class PackedWeight:
         return n, self.q.shape[1] * (2 if self.bits == 4 else 1)
 
     @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset))
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q, self.scale, self.offset
 
     @classmethod
     def from_groups(cls, gq: GroupQuant, device: torch.device | str = "cpu") -> "PackedWeight":
@@ -83,13 +83,14 @@ class PackedWeight:
                              f"group {gq.group}")
         if gq.group & (gq.group - 1):
             gq = gq.regroup(16)          # the kernel finds groups by shifting
-        if q.min() >= 0 and q.max() <= 15 and q.min() >= 0 and q.max() <= 15:
+        lo, hi = int(q.min()), int(q.max())
+        if lo >= 0 and hi <= 15:
             runs = q.reshape(rows, k // 32, 2, 16).astype(np.uint8)
             packed, bits = (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(rows, k // 2), 4
-        elif q.min() >= -128 and q.max() <= 127:
+        elif lo >= -128 and hi <= 127:
             packed, bits = q.astype(np.int8), 8
         else:
-            raise ValueError(f"quantized values span {q.min()}..{q.max()}, beyond 8 bits")
+            raise ValueError(f"quantized values span {lo}..{hi}, beyond 8 bits")
         return cls(torch.from_numpy(np.ascontiguousarray(packed)).to(device),
                    torch.from_numpy(gq.scale).to(device), torch.from_numpy(gq.offset).to(device), bits, gq.group)
 
