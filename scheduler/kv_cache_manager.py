@@ -72,7 +72,7 @@ class KVCacheManager:
         have = len(table) + len(computed_blocks)
         need_new = max(0, cdiv(end, self.block_size) - have)
         cow = [i for i in range(start // self.block_size, min(cdiv(end, self.block_size), len(table)))
-               if self.pool.blocks[table[i]].ref_cnt > 1]
+               if self._must_copy(seq, table[i], i)]
         fresh_computed = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
         if need_new + len(cow) + fresh_computed > self.pool.num_free:
             if not table:
@@ -94,6 +94,18 @@ class KVCacheManager:
             self.num_hashed[seq.seq_id] = min(self.num_hashed.get(seq.seq_id, 0), cow[0])
         table.extend(self.pool.allocate(need_new))
         return copies, first_changed
+
+    def _must_copy(self, seq: Sequence, block_id: int, index: int) -> bool:
+        """A block is copied before a write when others read it too, or when it is in the prefix cache
+        and this sequence's tokens there differ from what its hash says (a fork of a fork that samples
+        a new token inside a cached block): the original stays valid for everyone else."""
+        block = self.pool.blocks[block_id]
+        if block.ref_cnt > 1:
+            return True
+        if block.block_hash is None:
+            return False
+        hashes = seq.full_block_hashes(self.block_size, seq.num_tokens)
+        return index >= len(hashes) or hashes[index] != block.block_hash
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register blocks that are now full of computed tokens in the prefix cache."""

@@ -426,6 +426,33 @@ def test_swapping_out_a_forked_child_leaves_the_parent_blocks_alone() -> None:
     kv.check_invariants()
 
 
+def test_a_new_token_inside_a_cached_block_copies_it_first() -> None:
+    """A fork of a fork holds a cached full block [1, 2, 3, 4] but only its first three tokens, then
+    samples 1000 at position 3: writing that in place would make the prefix cache hand [1, 2, 3, 1000]
+    to the next prompt [1, 2, 3, 4, ...] (found by the property test below). The block is copied; a
+    sequence rewriting the same tokens (a fork recomputing its last one) is not."""
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    parent = make_req("p", [1, 2, 3, 4, 5, 6])
+    compute(kv, parent, 4)
+    cached = kv.table("p")[0]
+    child = make_req("p#1", [1, 2, 3, 4])
+    child.num_computed_tokens = 3
+    kv.fork(parent, child)
+    kv.free(parent)
+    copies, _ = kv.allocate_slots(child, 1)          # the same token 4 at position 3: no copy
+    assert copies == [] and kv.table("p#1")[0] == cached
+    grandchild = make_req("p#1#1", [1, 2, 3])
+    grandchild.num_computed_tokens = 2
+    kv.fork(child, grandchild)
+    kv.free(child)
+    copies, first = compute(kv, grandchild, 1)     # it lacks token 4, so it cannot keep the cached block
+    assert copies == [(cached, kv.table("p#1#1")[0])] and first == 0
+    grandchild.output_token_ids.append(1000)
+    assert kv.allocate_slots(grandchild, 1) == ([], 1)   # its own copy now: written in place
+    assert kv.get_computed_blocks(make_req("q", [1, 2, 3, 4, 5, 6])) == [cached]
+    kv.check_invariants()
+
+
 # ---- property tests -------------------------------------------------------------------------------
 BS = 4
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [7, 7, 7, 7, 7, 7, 7, 7], []]
