@@ -71,9 +71,11 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
-# auto: a GGUF keeps its quantized blocks (gguf), anything else runs unquantized (none);
-# int8: dynamic int8 matmuls (a CPU speed mode for large steps).
-QUANTIZATION_METHODS = ("auto", "none", "int8", "gguf")
+# auto: the checkpoint's own quantization (a GGUF's blocks, an AWQ/GPTQ/FP8 folder's quantization_config),
+# else none; int8: dynamic int8 matmuls (a CPU speed mode for large steps); fp8: fp8 weights quantized at load.
+QUANTIZATION_METHODS = ("auto", "none", "int8", "fp8", "gguf", "awq", "gptq")
+# vLLM's kernel-specific names for the same checkpoints
+QUANTIZATION_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "fp8_marlin": "fp8"}
 # auto: the model's dtype; fp8 is fp8_e4m3 (vLLM's names). fp8 entries hold 2x bf16's tokens per byte.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 

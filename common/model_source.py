@@ -58,6 +58,12 @@ class ModelSource:
         raise ModelNotFound(f"model {model!r} not found or not supported; {EXPECTED}")
 
     # ---- architecture -------------------------------------------------------------------------
+    def quantization_config(self) -> dict[str, Any] | None:
+        """A Hugging Face folder's `quantization_config` (AWQ, GPTQ, FP8 checkpoints), else None."""
+        if self.kind != "hf":
+            return None
+        return json.loads((self.path / "config.json").read_text()).get("quantization_config") or None
+
     @cached_property
     def gguf_reader(self):
         import gguf

@@ -14,6 +14,7 @@ import torch
 from common.config import ModelConfig
 from common.model_source import ModelSource
 from gpu_worker.quantization import resolve_quantization, set_linear_method
+from gpu_worker.quantization.checkpoint import CheckpointFormat, read_checkpoint_format
 from gpu_worker.quantization.gguf import GGUFTensor
 from gpu_worker.quantization.gguf_blocks import SUPPORTED as GGUF_SUPPORTED
 from gpu_worker.quantization.packed import QuantizedTensor
@@ -65,13 +66,26 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+def _safetensor_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else sorted(p.name for p in folder.glob("*.safetensors"))
+    return [folder / n for n in names]
+
+
+def safetensor_names(folder: Path) -> list[str]:
+    from safetensors import safe_open
+    names: list[str] = []
+    for path in _safetensor_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            names += list(f.keys())
+    return names
+
+
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
-    index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-        else sorted(p.name for p in folder.glob("*.safetensors"))
-    for fname in files:
-        with safe_open(str(folder / fname), framework="pt") as f:
+    for path in _safetensor_files(folder):
+        with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
 
@@ -128,11 +142,12 @@ def load_model(source: ModelSource, model_config: ModelConfig, dtype: torch.dtyp
     """Build the model on `device`, choose its Linear method and fill its weights: the target and a
     draft model are made the same way."""
     from gpu_worker.models import build_model
-    method = resolve_quantization(quantization, source.kind)
+    fmt = read_checkpoint_format(source.quantization_config())
+    method = resolve_quantization(quantization, "gguf" if source.kind == "gguf" else fmt and fmt.method)
     with torch.device(device):
         model = build_model(model_config, dtype, max_positions)
         set_linear_method(model, method)
-        load_weights(model, source, load_format, keep_quantized=method == "gguf")
+        load_weights(model, source, load_format, keep_quantized=method == "gguf", fmt=fmt)
     log.info("model weights resident: %.1f MiB (%s)", weight_bytes(model) / (1 << 20), method)
     return model.eval()
 
@@ -151,13 +166,19 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def load_weights(model: torch.nn.Module, source: ModelSource, load_format: str = "auto",
-                 keep_quantized: bool = False) -> None:
+                 keep_quantized: bool = False, fmt: CheckpointFormat | None = None) -> None:
+    """Fill `model` from `source`; a quantized checkpoint's `fmt` reassembles its layers' parts."""
     if load_format == "dummy":
         init_dummy_weights(model)
         return
     if load_format != "auto":
         raise ValueError(f"unknown load_format {load_format!r}; expected auto or dummy")
-    tensors = iter_gguf(source, keep_quantized) if source.kind == "gguf" else iter_safetensors(source.path)
+    if source.kind == "gguf":
+        tensors = iter_gguf(source, keep_quantized)
+    else:
+        tensors = iter_safetensors(source.path)
+        if fmt is not None:
+            tensors = fmt.assemble(safetensor_names(source.path), tensors)
     modules = dict(model.named_modules())
     loaded = set()
     for name, tensor in tensors:
@@ -183,10 +204,10 @@ def load_weights(model: torch.nn.Module, source: ModelSource, load_format: str =
             target.data.copy_(tensor)
         loaded.add((module_path, param, shard))
     model.tie_weights()
+    _check_complete(model, loaded)
     for m in model.modules():
         if hasattr(m, "method"):
             m.method.process_weights_after_loading(m)
-    _check_complete(model, loaded)
 
 
 def _check_complete(model: torch.nn.Module, loaded: set[tuple[str, str, str]]) -> None:

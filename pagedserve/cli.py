@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any, TypeVar
 
-from common.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
+from common.config import KV_CACHE_DTYPES, QUANTIZATION_ALIASES, QUANTIZATION_METHODS, EngineConfig
 from common.speculative import SpeculativeConfig
 from pagedserve.engine_processes import EngineProcesses, wait_all
 from router.config import API_KEY_ENV, DEFAULT_FRONTEND, RouterConfig
@@ -22,7 +22,8 @@ _ENGINE_HELP = {
     "kv_cache_memory": "GiB of memory for the KV cache on CPU",
     "swap_space": "GiB of host memory for swapped-out KV blocks (0 disables swapping)",
     "num_gpu_blocks": "fix the number of KV blocks instead of sizing from memory",
-    "quantization": "auto (a .gguf keeps its quantized blocks), none (fp32 reference), int8 or gguf",
+    "quantization": "auto (the checkpoint's own: GGUF blocks, AWQ, GPTQ or FP8), none (fp32 reference), int8, fp8 "
+                    "(weights quantized at load), gguf, awq, gptq (also awq_marlin, gptq_marlin)",
     "kv_cache_dtype": "KV cache entries: auto (the model dtype), float32, bfloat16, float16, fp8 (= fp8_e4m3), "
                       "fp8_e5m2",
 }
@@ -133,7 +134,7 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     if getattr(args, "max_body_bytes", 1) <= 0:
         parser.error("--max-body-bytes must be positive")
     quant = getattr(args, "quantization", "auto")
-    if quant not in QUANTIZATION_METHODS:
+    if quant not in QUANTIZATION_METHODS and quant not in QUANTIZATION_ALIASES:
         parser.error(f"--quantization {quant!r}: expected one of {', '.join(QUANTIZATION_METHODS)}")
     kv = getattr(args, "kv_cache_dtype", "auto")
     if kv not in KV_CACHE_DTYPES:

@@ -152,10 +152,15 @@ def test_groups_that_are_not_powers_of_two_are_regrouped():
 
 def test_quantization_names_resolve_like_vllm():
     assert resolve_quantization("auto", "gguf") == "gguf"
-    assert resolve_quantization("auto", "hf") == "none"
+    assert resolve_quantization("auto", None) == "none"
+    assert resolve_quantization("auto", "awq") == "awq"
+    assert resolve_quantization("gptq_marlin", "gptq") == "gptq"
     assert resolve_quantization("none", "gguf") == "none"
-    with pytest.raises(ValueError, match="needs a .gguf"):
-        resolve_quantization("gguf", "hf")
+    assert resolve_quantization("fp8", None) == "fp8"
+    with pytest.raises(ValueError, match="needs a GGUF checkpoint; this one is unquantized"):
+        resolve_quantization("gguf", None)
+    with pytest.raises(ValueError, match="needs an AWQ checkpoint; this one is GPTQ-quantized"):
+        resolve_quantization("awq", "gptq")
     with pytest.raises(ValueError, match="unknown quantization 'fp4'"):
         resolve_quantization("fp4", "gguf")
 
@@ -166,12 +171,12 @@ def test_an_unknown_method_fails_the_cli_at_once(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--quantization", "fp4"])
     assert exc.value.code == 2
-    assert "--quantization 'fp4': expected one of auto, none, int8, gguf" in capsys.readouterr().err
+    assert "--quantization 'fp4': expected one of auto, none, int8, fp8, gguf, awq, gptq" in capsys.readouterr().err
 
 
 def test_gguf_on_a_safetensors_model_is_one_clear_error(tiny_model):
     from pagedserve import LLM
-    with pytest.raises(ValueError, match="quantization 'gguf' needs a .gguf model file"):
+    with pytest.raises(ValueError, match="quantization 'gguf' needs a GGUF checkpoint; this one is unquantized"):
         LLM(str(tiny_model("llama")), dtype="float32", kv_cache_memory=0.01, swap_space=0, quantization="gguf")
 
 

@@ -14,6 +14,7 @@ from gpu_worker.quantization.packed import QuantizedTensor
 
 class LinearMethod:
     """Unquantized weights: y = x W^T + b. Quantized and LoRA methods subclass this."""
+    quantizes_lm_head = True     # False: the output projection keeps the plain method (vLLM's fp8 does)
 
     def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype),

@@ -1,29 +1,39 @@
 """The Linear methods, one file each, chosen by `--quantization` (vLLM's names).
 
-`auto` (the default) keeps a GGUF file's quantized blocks (`gguf`) and runs anything else unquantized
-(`none`); `none` on a GGUF expands it to fp32 at load, the reference path.
+`auto` (the default) follows the checkpoint: a GGUF file keeps its quantized blocks (`gguf`), a Hugging
+Face folder whose config.json has a `quantization_config` keeps its AWQ, GPTQ or FP8 weights, and
+anything else runs unquantized (`none`). `none` on a quantized checkpoint expands it to fp32 at load,
+the reference path; `int8` and `fp8` quantize an unquantized (or expanded) checkpoint at load.
 """
 from __future__ import annotations
 
 from torch import nn
 
-from common.config import QUANTIZATION_METHODS
+from common.config import QUANTIZATION_ALIASES, QUANTIZATION_METHODS
 from gpu_worker.layers.linear import Linear, LinearMethod
-from gpu_worker.quantization.gguf import GGUFLinearMethod
+from gpu_worker.quantization.fp8 import Fp8LinearMethod
 from gpu_worker.quantization.int8 import Int8LinearMethod
+from gpu_worker.quantization.packed_linear import PackedLinearMethod
 
-METHODS: dict[str, type[LinearMethod]] = {"none": LinearMethod, "int8": Int8LinearMethod, "gguf": GGUFLinearMethod}
+METHODS: dict[str, type[LinearMethod]] = {"none": LinearMethod, "int8": Int8LinearMethod, "fp8": Fp8LinearMethod,
+                                          "gguf": PackedLinearMethod, "awq": PackedLinearMethod,
+                                          "gptq": PackedLinearMethod}
+KEPT_AS_STORED = ("gguf", "awq", "gptq")     # methods that only keep a checkpoint's own quantization
 assert set(METHODS) | {"auto"} == set(QUANTIZATION_METHODS)
 
 
-def resolve_quantization(requested: str, source_kind: str) -> str:
-    """The method a model from a source of `source_kind` ("gguf" or "hf") runs with."""
+def resolve_quantization(requested: str, checkpoint: str | None) -> str:
+    """The method a model runs with, given the checkpoint's own quantization (None, "gguf", "awq",
+    "gptq" or "fp8")."""
+    requested = QUANTIZATION_ALIASES.get(requested, requested)
     if requested == "auto":
-        return "gguf" if source_kind == "gguf" else "none"
+        return checkpoint or "none"
     if requested not in METHODS:
         raise ValueError(f"unknown quantization {requested!r}; expected one of {', '.join(QUANTIZATION_METHODS)}")
-    if requested == "gguf" and source_kind != "gguf":
-        raise ValueError("quantization 'gguf' needs a .gguf model file")
+    if requested in KEPT_AS_STORED and requested != checkpoint:
+        article = "an" if requested == "awq" else "a"
+        stored = f"{checkpoint.upper()}-quantized" if checkpoint else "unquantized"
+        raise ValueError(f"quantization {requested!r} needs {article} {requested.upper()} checkpoint; this one is {stored}")
     return requested
 
 
@@ -34,8 +44,12 @@ def linear_method(name: str) -> LinearMethod:
 
 
 def set_linear_method(model: nn.Module, name: str) -> None:
-    """Give every Linear of `model` the named method (before its weights are loaded and processed)."""
-    for m in model.modules():
+    """Give every Linear of `model` the named method (before its weights are loaded and processed); the
+    output projection keeps the plain method where the method says so."""
+    for path, m in model.named_modules():
         if isinstance(m, Linear):
-            m.method = linear_method(name)
+            method = linear_method(name)
+            if path == "lm_head" and not method.quantizes_lm_head:
+                continue
+            m.method = method
             m.method.create_weights(m, m.weight.dtype)

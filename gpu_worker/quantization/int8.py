@@ -17,9 +17,10 @@ class Int8LinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         w = layer.weight.detach().float()
+        del layer.weight                  # only the int8 copy stays resident (a tied table stays with the embedding)
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
-        layer.w_int8 = (w / scale[:, None]).round().to(torch.int8).t()     # [in, out], column-major rows
-        layer.w_scale = scale
+        layer.register_buffer("w_int8", (w / scale[:, None]).round().to(torch.int8).t(), persistent=False)  # [in, out]
+        layer.register_buffer("w_scale", scale, persistent=False)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

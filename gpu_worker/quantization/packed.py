@@ -22,24 +22,34 @@ GEMM_MAX_ROWS = 16   # loadtest/qgemm_bench.py: direct wins up to ~16 rows, expa
 
 @dataclass
 class GroupQuant:
-    """Rows of integer values with per-group fp32 scale and offset: w = scale * q + offset."""
+    """Rows of integer values with per-group fp32 scale and offset: w = scale * q + offset.
+
+    `perm`, when set, is the input order the columns are stored in (GPTQ act-order: its groups are
+    contiguous only after sorting the input channels), so w[:, perm] is what q describes and the matmul
+    permutes its input the same way."""
     q: np.ndarray          # integers [rows, K]
     scale: np.ndarray      # float32 [rows, K // group]
     offset: np.ndarray     # float32 [rows, K // group]
     group: int
+    perm: np.ndarray | None = None
 
     def regroup(self, group: int) -> "GroupQuant":
         """The same weights with groups of `group` (a divisor of ours): scales repeat."""
         r = self.group // group
-        return GroupQuant(self.q, np.repeat(self.scale, r, axis=1), np.repeat(self.offset, r, axis=1), group)
+        return GroupQuant(self.q, np.repeat(self.scale, r, axis=1), np.repeat(self.offset, r, axis=1), group,
+                          self.perm)
 
     @staticmethod
     def concat(parts: list["GroupQuant"]) -> "GroupQuant":
         """Stack row blocks (the shards of a fused layer), on their finest common grouping."""
+        perm = parts[0].perm
+        if any((p.perm is None) != (perm is None) or (perm is not None and not np.array_equal(p.perm, perm))
+               for p in parts):
+            raise ValueError("the shards store their inputs in different orders (act-order g_idx differs)")
         g = min(p.group for p in parts)
         parts = [p.regroup(g) for p in parts]
         return GroupQuant(np.concatenate([p.q for p in parts]), np.concatenate([p.scale for p in parts]),
-                          np.concatenate([p.offset for p in parts]), g)
+                          np.concatenate([p.offset for p in parts]), g, perm)
 
 
 class QuantizedTensor:
@@ -64,6 +74,7 @@ class PackedWeight:
     offset: torch.Tensor    # float32 [N, K/group]
     bits: int
     group: int
+    perm: torch.Tensor | None = None    # int64 [K]: the input order of the stored columns (GroupQuant.perm)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -71,8 +82,8 @@ class PackedWeight:
         return n, self.q.shape[1] * (2 if self.bits == 4 else 1)
 
     @property
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.q, self.scale, self.offset
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.q, self.scale, self.offset) + (() if self.perm is None else (self.perm,))
 
     @classmethod
     def from_groups(cls, gq: GroupQuant, device: torch.device | str = "cpu") -> "PackedWeight":
@@ -89,10 +100,15 @@ class PackedWeight:
             packed, bits = (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(rows, k // 2), 4
         elif lo >= -128 and hi <= 127:
             packed, bits = q.astype(np.int8), 8
+        elif lo >= 0 and hi <= 255:       # unsigned 8-bit (GPTQ): q - 128 in int8, the offset takes 128 scales
+            packed, bits = (q.astype(np.int16) - 128).astype(np.int8), 8
+            gq = GroupQuant(q, gq.scale, gq.offset + 128 * gq.scale, gq.group, gq.perm)
         else:
             raise ValueError(f"quantized values span {lo}..{hi}, beyond 8 bits")
+        perm = None if gq.perm is None else torch.from_numpy(gq.perm.astype(np.int64)).to(device)
         return cls(torch.from_numpy(np.ascontiguousarray(packed)).to(device),
-                   torch.from_numpy(gq.scale).to(device), torch.from_numpy(gq.offset).to(device), bits, gq.group)
+                   torch.from_numpy(np.ascontiguousarray(gq.scale, np.float32)).to(device),
+                   torch.from_numpy(np.ascontiguousarray(gq.offset, np.float32)).to(device), bits, gq.group, perm)
 
     # ---- reading it back -----------------------------------------------------------------------
     def values(self, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,7 +120,8 @@ class PackedWeight:
         return torch.cat([runs & 15, runs >> 4], dim=2).reshape(q.shape[0], -1).float()
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 weights of all rows (or of the rows `rows`, e.g. the tokens of an embedding lookup)."""
+        """fp32 weights of all rows (or of the rows `rows`, e.g. the tokens of an embedding lookup), in the
+        stored column order (see `perm`)."""
         scale = self.scale if rows is None else self.scale[rows]
         offset = self.offset if rows is None else self.offset[rows]
         v = self.values(rows)
@@ -122,6 +139,8 @@ class PackedWeight:
         """x @ W^T (+ bias) for x of any leading shape; computed in fp32, returned in x's dtype."""
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
         if bias is not None and bias.dtype != torch.float32:
