@@ -25,9 +25,10 @@ from pagedserve import LLM, SamplingParams
 ARMS = ("gguf", "none")
 
 
-def measure(quant: str, threads: int | None) -> dict[str, Any]:
-    llm = LLM(None, quantization=quant, dtype="float32", kv_cache_memory=1.0, swap_space=0, num_threads=threads,
-              max_num_seqs=64, enable_prefix_caching=False)
+def measure(quant: str, threads: int | None, model: str | None = None, **engine: Any) -> dict[str, Any]:
+    """The c1 and c64 rows of one engine configuration (the default model unless `model`)."""
+    llm = LLM(model, quantization=quant, dtype="float32", kv_cache_memory=1.0, swap_space=0, num_threads=threads,
+              max_num_seqs=64, enable_prefix_caching=False, **engine)
     reqs = load_workload()
     llm.generate([reqs[0].prompt_token_ids], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     row: dict[str, Any] = {"weight_bytes": llm.engine.weight_bytes}

@@ -2,6 +2,7 @@
 rule that every test carries exactly one tier marker."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def default_tokenizer():
+    """The default model's tokenizer; PAGEDSERVE_TEST_TOKENIZER names a saved copy where the model's package
+    is absent (the GPU machine: scripts/gpu_check.sh carries one)."""
+    saved = os.environ.get("PAGEDSERVE_TEST_TOKENIZER")
+    if saved:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(saved)
     return ModelSource.resolve(None).load_tokenizer()
 
 

@@ -1,4 +1,4 @@
-"""AWQ (GEMM), GPTQ (v1/v2) and FP8 checkpoints written at test time (tests/quant_checkpoints.py) load
+"""AWQ (GEMM), GPTQ (v1/v2) and FP8 checkpoints written at test time (loadtest/quant_checkpoints.py) load
 packed and give greedy output identical to HF transformers running their dequantized weights in fp32;
 malformed checkpoints fail with one error naming the tensor."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from gpu_worker.quantization.fp8 import FP8Format
 from gpu_worker.quantization.gptq import GPTQFormat
 from loadtest.tiny_model import build_tiny_model
 from pagedserve import LLM
-from tests.quant_checkpoints import (dequantized, pack_awq, pack_gptq, quantize, write_fp8_per_channel_reference,
-                                     write_quantized)
+from loadtest.quant_checkpoints import (dequantized, fp8_parts, pack_awq, pack_gptq, quantize,
+                                        write_fp8_per_channel_reference, write_quantized)
 from tests.test_correctness import Reference, prompt_ids, run_greedy
 
 PREFIX = "model.layers.0.mlp.up_proj"
@@ -62,10 +62,9 @@ def test_gptq_unpacks_to_the_writers_weights(case):
 
 @pytest.mark.unit
 def test_fp8_block_and_tensor_scales_dequantize():
-    from tests.quant_checkpoints import _fp8
     w = weights()
     for block in (None, [32, 64]):
-        parts, want = _fp8(w, block)
+        parts, want = fp8_parts(w, block)
         t = FP8Format(tuple(block) if block else None).build(PREFIX, parts)
         assert torch.equal(t.dequantize(), want)
 
@@ -179,3 +178,16 @@ def test_fp8_at_load_and_an_expanded_awq_match_hf(base_model, tmp_path, default_
         reference = Reference(tmp_path / ref)
         for out, ids in zip(run_greedy(llm, prompts, max_new=16), prompts):
             assert out.outputs[0].token_ids == reference(ids, 16).token_ids, quant
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["awq-g64", "gptq-asym-actorder-g32", "gptq-8bit-actorder-g32"])
+def test_quantized_checkpoint_on_cuda_matches_hf(name, base_model, tmp_path, default_tokenizer):
+    """On CUDA the packed layers run the Triton GEMM (fp32 in IEEE precision): HF's greedy tokens exactly."""
+    assert torch.cuda.is_available(), "this test is for a machine with a GPU"
+    write_quantized(base_model, tmp_path / "q", tmp_path / "ref", **CHECKPOINTS[name])
+    llm = LLM(str(tmp_path / "q"), dtype="float32", device="cuda", attention_backend="triton", num_gpu_blocks=256)
+    ref = Reference(tmp_path / "ref")
+    prompts = prompt_ids(default_tokenizer)
+    for out, ids in zip(run_greedy(llm, prompts, max_new=16), prompts):
+        assert out.outputs[0].token_ids == ref(ids, 16).token_ids

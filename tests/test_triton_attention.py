@@ -18,7 +18,8 @@ triton = pytest.importorskip("triton")
 
 from gpu_worker.attention import AttentionMetadata  # noqa: E402
 from gpu_worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from gpu_worker.attention.triton_backend import TritonAttentionBackend, _interpret_mode  # noqa: E402
+from gpu_worker.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from gpu_worker.kernels.triton_jit import interpret_mode  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -35,7 +36,7 @@ def _interpreter_on_cpu() -> None:
     """Guard against another test module having reset TRITON_INTERPRET after this one was imported."""
     if DEVICE.type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
-        assert _interpret_mode()
+        assert interpret_mode()
 
 
 def make_meta(seqs: list[tuple[int, int]], block_size: int, num_blocks: int,

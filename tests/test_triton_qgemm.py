@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from gpu_worker.kernels.triton_qgemm import _interpret_mode, packed_matmul  # noqa: E402
+from gpu_worker.kernels.triton_jit import interpret_mode  # noqa: E402
+from gpu_worker.kernels.triton_qgemm import packed_matmul  # noqa: E402
 from gpu_worker.quantization.packed import GroupQuant, PackedWeight  # noqa: E402
 
 pytestmark = pytest.mark.unit
@@ -31,7 +32,7 @@ def _interpreter_on_cpu() -> None:
     """Guard against another test module having reset TRITON_INTERPRET after this one was imported."""
     if DEVICE.type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
-        assert _interpret_mode()
+        assert interpret_mode()
 
 
 def make_weight(bits: int, n: int, k: int, group: int, seed: int) -> PackedWeight:

@@ -28,7 +28,6 @@ module was imported earlier.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,14 +35,7 @@ import torch
 
 from gpu_worker.attention import AttentionMetadata, cache_scale, to_cache
 
-try:  # Triton is optional: CPU-only deployments use the torch backend.
-    import triton
-    import triton.language as tl
-    _TRITON_IMPORT_ERROR: Exception | None = None
-except Exception as exc:  # pragma: no cover - exercised only where triton is missing/broken
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    _TRITON_IMPORT_ERROR = exc
+from gpu_worker.kernels.triton_jit import jitted, tl
 
 _LOG2E = 1.4426950408889634
 
@@ -168,24 +160,10 @@ def _paged_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-_JITTED: dict[bool, tuple[Any, Any]] = {}
-
-
-def _interpret_mode() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 def _kernels() -> tuple[Any, Any]:
-    """(write_kv kernel, attention kernel), jitted for the current TRITON_INTERPRET mode and cached."""
-    if triton is None:
-        raise RuntimeError(f"the triton attention backend needs triton: {_TRITON_IMPORT_ERROR!r}")
-    mode = _interpret_mode()
-    if mode not in _JITTED:
-        _JITTED[mode] = (triton.jit(_write_kv_kernel), triton.jit(_paged_attention_kernel))
-    return _JITTED[mode]
+    """(write_kv kernel, attention kernel), jitted for the current TRITON_INTERPRET mode."""
+    user = "the triton attention backend"
+    return jitted(_write_kv_kernel, user), jitted(_paged_attention_kernel, user)
 
 
 def _next_pow2(x: int) -> int:

@@ -14,19 +14,11 @@ TRITON_INTERPRET mode, as in gpu_worker/attention/triton_backend.py, so CPU test
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-try:  # Triton is optional: CPU-only deployments never call this module's kernel.
-    import triton
-    import triton.language as tl
-    _TRITON_IMPORT_ERROR: Exception | None = None
-except Exception as exc:  # pragma: no cover - exercised only where triton is missing/broken
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    _TRITON_IMPORT_ERROR = exc
+from gpu_worker.kernels.triton_jit import jitted, tl, triton
 
 BLOCK_N = 64
 
@@ -78,25 +70,8 @@ def _qgemm_kernel(
     tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-_JITTED: dict[bool, Any] = {}
-
-
-def _interpret_mode() -> bool:
-    """Whether triton.jit would build for the interpreter now (the jitted kernel is cached per mode)."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 def _kernel() -> Any:
-    """The GEMM kernel jitted for the current TRITON_INTERPRET mode (cached per mode)."""
-    if triton is None:
-        raise RuntimeError(f"the triton quantized matmul needs triton: {_TRITON_IMPORT_ERROR!r}")
-    mode = _interpret_mode()
-    if mode not in _JITTED:
-        _JITTED[mode] = triton.jit(_qgemm_kernel)
-    return _JITTED[mode]
+    return jitted(_qgemm_kernel, "the triton quantized matmul")
 
 
 def _check(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,

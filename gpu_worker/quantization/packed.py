@@ -4,8 +4,9 @@ GGUF blocks today, and any 4/8-bit format with per-group scales and zero points,
 w[n, k] = scale[n, g] * q[n, k] + offset[n, g]. Values 0..15 (with K a multiple of 32) are packed two to
 a byte; anything else takes a byte. On the CPU the native kernel (gpu_worker/kernels) expands the values
 in registers for steps of up to `GEMM_MAX_ROWS` rows, where reading fewer bytes is the whole win; larger
-steps expand the weight once into fp32 and use the BLAS GEMM. Without the native library, or off the
-CPU, the same expansion is done in torch: slower, with the same values.
+steps expand the weight once into fp32 and use the BLAS GEMM; without the native library the same
+expansion is done in torch, slower, with the same values. On CUDA a Triton GEMM (kernels/triton_qgemm)
+dequantizes each weight tile in registers.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_worker.kernels import native
+from gpu_worker.kernels import native, triton_qgemm
 
 GEMM_MAX_ROWS = 16   # loadtest/qgemm_bench.py: direct wins up to ~16 rows, expand+gemm beyond
 
@@ -141,6 +142,9 @@ class PackedWeight:
         x2 = x.reshape(-1, k)
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
+        if x.device.type == "cuda":        # Triton: each tile dequantized in registers, in x's dtype
+            y = triton_qgemm.packed_matmul(x2, self.q, self.scale, self.offset, self.bits, self.group, bias)
+            return y.reshape(*lead, -1) if len(lead) != 1 else y
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
         if bias is not None and bias.dtype != torch.float32:

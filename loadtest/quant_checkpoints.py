@@ -1,4 +1,4 @@
-"""Tiny quantized checkpoints written at test time the way AutoAWQ (GEMM), AutoGPTQ (v1) / GPTQModel (v2)
+"""Quantized checkpoints (tiny ones in the tests, the default model's in the quant report) written the way AutoAWQ (GEMM), AutoGPTQ (v1) / GPTQModel (v2)
 and FP8 writers lay them out, each with the fp32 folder of its dequantized weights for HF transformers.
 
 The packing follows the writers' own loops (AutoAWQ's interleaved nibble order, GPTQ's row-wise words,
@@ -93,7 +93,7 @@ def write_quantized(src: Path, dst: Path, ref: Path, method: str, group: int = 3
         prefix, proj, layer = name[:-len(".weight")], parts[-2], int(parts[2])
         quantized.add(name)
         if method == "fp8":
-            packed, plain[name] = _fp8(w, fp8_block)
+            packed, plain[name] = fp8_parts(w, fp8_block)
         else:
             perm = _perm(proj, layer, w.shape[1], shared_order) if desc_act else None
             q, zeros, scales, g_idx = quantize(w, group if group > 0 else w.shape[1], bits, sym, perm)
@@ -121,7 +121,7 @@ def _config(method, group, bits, sym, desc_act, v2, fp8_block) -> dict:
     return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": fp8_block}
 
 
-def _fp8(w: torch.Tensor, block: list[int] | None):
+def fp8_parts(w: torch.Tensor, block: list[int] | None):
     """float8_e4m3fn weights with a per-tensor weight_scale, or per [bn, bk] block weight_scale_inv."""
     fmax = torch.finfo(torch.float8_e4m3fn).max
     if block is None:
