@@ -87,6 +87,7 @@ class EngineConfig:
     dtype: str = "auto"
     quantization: str = "auto"            # one of QUANTIZATION_METHODS (gpu_worker/quantization)
     kv_cache_dtype: str = "auto"          # one of KV_CACHE_DTYPES
+    calculate_kv_scales: bool = False     # fp8 KV: per-layer k/v scales from the first forward pass (vLLM's flag)
     load_format: str = "auto"             # "dummy": random weights, for benchmarks of model shapes alone
     device: str = "auto"
     attention_backend: str = "auto"

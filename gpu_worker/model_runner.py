@@ -16,7 +16,7 @@ from common.model_source import ModelSource
 from common.protocol import Logprob, ModelRunnerOutput, NewSequenceData, SchedulerOutput, WorkerInfo
 from common.sampling_params import SamplingParams
 from common.speculative import SpeculativeConfig
-from gpu_worker.attention import (allocate_kv_cache, get_backend, index_copy_rows, kv_block_bytes,
+from gpu_worker.attention import (FP8_DTYPES, allocate_kv_cache, get_backend, index_copy_rows, kv_block_bytes,
                                   resolve_kv_cache_dtype)
 from gpu_worker.sampler import build_sampling_batch, draw, logprob_records, prompt_logprobs
 from gpu_worker.spec_decode import Proposer, build_proposer
@@ -78,9 +78,23 @@ class ModelRunner:
         self.eos_ids |= set(eos_token_ids)
         num_blocks, num_host = self.profile_num_blocks()
         self.init_kv_cache(num_blocks, num_host)
+        if self.config.calculate_kv_scales:
+            self._calibrate_kv_scales_on_first_step()
         return WorkerInfo(num_blocks=num_blocks, num_host_blocks=num_host, max_model_len=self.max_model_len,
                           vocab_size=self.model_config.vocab_size, block_bytes=self.block_bytes(),
                           weight_bytes=weight_bytes(self.model))
+
+    def _calibrate_kv_scales_on_first_step(self) -> None:
+        """Every attention layer (draft model's included) takes its fp8 scales from the first real step,
+        after the profiling pass, so no entry is written with other scales."""
+        if self.kv_dtype not in FP8_DTYPES:
+            log.warning("--calculate-kv-scales has no effect: the KV cache is %s, not fp8", self.kv_dtype)
+            return
+        fmax = float(torch.finfo(self.kv_dtype).max)
+        models = [self.model] + ([self.proposer.model] if hasattr(self.proposer, "model") else [])
+        for m in (mod for model in models for mod in model.modules()):
+            if hasattr(m, "kv_calibration_max"):
+                m.kv_calibration_max = fmax
 
     def block_bytes(self) -> int:
         own = kv_block_bytes(self.model_config, self.block_size, self.kv_dtype)

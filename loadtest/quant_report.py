@@ -40,6 +40,8 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {   # row: (checkpoint, engine 
     f"awq g{GROUP} (RTN)": ("awq", dict(quantization="awq")),
     f"gptq g{GROUP} sym (RTN)": ("gptq", dict(quantization="gptq")),
     "fp8 KV cache (e4m3)": ("gguf", dict(quantization="none", kv_cache_dtype="fp8")),
+    "fp8 KV cache (e4m3, calculated scales)": ("gguf", dict(quantization="none", kv_cache_dtype="fp8",
+                                                            calculate_kv_scales=True)),
     "fp8 KV cache (e5m2)": ("gguf", dict(quantization="none", kv_cache_dtype="fp8_e5m2")),
 }
 
@@ -105,7 +107,9 @@ def quality(paths: dict[str, str | None], n_requests: int) -> dict[str, dict[str
     agree = {name: 0 for name in METHODS}
     kl = {name: 0.0 for name in METHODS}
     positions = 0
-    for req in load_workload()[:n_requests]:
+    for i, req in enumerate(load_workload()[:n_requests]):
+        if i % 16 == 0:
+            print(f"quality: request {i} of {n_requests}", flush=True)
         ref = taps[ref_name].logprobs(req.prompt_token_ids)
         positions += ref.shape[0]
         for name, tap in taps.items():

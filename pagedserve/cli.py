@@ -24,6 +24,8 @@ _ENGINE_HELP = {
     "num_gpu_blocks": "fix the number of KV blocks instead of sizing from memory",
     "quantization": "auto (the checkpoint's own: GGUF blocks, AWQ, GPTQ or FP8), none (fp32 reference), int8, fp8 "
                     "(weights quantized at load), gguf, awq, gptq (also awq_marlin, gptq_marlin)",
+    "calculate_kv_scales": "with an fp8 KV cache: each layer's k/v scales from the first forward pass's K and V "
+                           "(largest magnitude at the format's largest value), not 1.0 or the checkpoint's",
     "kv_cache_dtype": "KV cache entries: auto (the model dtype), float32, bfloat16, float16, fp8 (= fp8_e4m3), "
                       "fp8_e5m2",
 }

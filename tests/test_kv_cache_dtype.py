@@ -61,16 +61,17 @@ def test_fp8_engine_variants_agree(variant, fp8_case):
         assert (st.num_swap_preemptions if variant == "swap" else st.num_recompute_preemptions) > 0
 
 
-# Measured here: e4m3 241 and e5m2 237 of 256 positions, 94.1% and 92.6%, a bf16 cache 256 (over all
-# 10,082 prompt positions of the shared workload: 93.2%, 86.1% and 99.9%). The issue asks for >= 97% with fp8: not met on this
-# 135M model with unit scales (amax-calibrated per-layer scales measured 96.1%), so these bounds guard
-# what we have, a little below it.
-TOP1_FLOOR = {"fp8": 0.92, "fp8_e5m2": 0.88}
+# Measured here: e4m3 241 and e5m2 237 of 256 positions, 94.1% and 92.6%, e4m3 with --calculate-kv-scales
+# 245 (95.7%), a bf16 cache 256 (over all 10,178 prompt positions of the shared workload: 93.1%, 86.3% and
+# 99.9%; loadtest/quant_report.py). The issue asks for >= 97% with fp8: not met on this 135M model (e4m3
+# keeps 3 mantissa bits; no scale choice measured above 95.7%), so these bounds guard what we have, a
+# little below it.
+TOP1_FLOOR = {("fp8", False): 0.92, ("fp8_e5m2", False): 0.88, ("fp8", True): 0.94}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_dtype", list(TOP1_FLOOR))
-def test_fp8_top_token_agreement_with_an_fp32_cache(default_tokenizer, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,calculate", list(TOP1_FLOOR))
+def test_fp8_top_token_agreement_with_an_fp32_cache(default_tokenizer, kv_dtype, calculate):
     """Teacher-forced on the engine-core prompts and 32 tokens of the fp32 engine's own greedy
     continuation: how often the most likely next token is the fp32 cache's."""
     prompts = [default_tokenizer.encode(t) for t in ENGINE_CORE_TEXTS]
@@ -78,17 +79,42 @@ def test_fp8_top_token_agreement_with_an_fp32_cache(default_tokenizer, kv_dtype)
     cont = ref.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     forced = [p + o.outputs[0].token_ids for p, o in zip(prompts, cont)]
     sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    fp8 = LLM(dtype="float32", kv_cache_memory=0.1, swap_space=0, kv_cache_dtype=kv_dtype,
+              calculate_kv_scales=calculate)
     top, lps = {}, {}
-    for kv in ("auto", kv_dtype):
-        llm = ref if kv == "auto" else LLM(dtype="float32", kv_cache_memory=0.1, swap_space=0, kv_cache_dtype=kv)
+    for name, llm in (("fp32", ref), ("fp8", fp8)):
         outs = llm.generate(forced, sp, use_tqdm=False)
-        top[kv] = [[rec[2][0] for rec in o.prompt_logprobs[len(p):]] for o, p in zip(outs, prompts)]
-        lps[kv] = [rec[0] for o, p in zip(outs, prompts) for rec in o.prompt_logprobs[len(p):]]
-    pairs = [(a, b) for ra, rb in zip(top["auto"], top[kv_dtype]) for a, b in zip(ra, rb)]
+        top[name] = [[rec[2][0] for rec in o.prompt_logprobs[len(p):]] for o, p in zip(outs, prompts)]
+        lps[name] = [rec[0] for o, p in zip(outs, prompts) for rec in o.prompt_logprobs[len(p):]]
+    pairs = [(a, b) for ra, rb in zip(top["fp32"], top["fp8"]) for a, b in zip(ra, rb)]
     agree = sum(a == b for a, b in pairs) / len(pairs)
     assert len(pairs) == 8 * 32
-    assert agree >= TOP1_FLOOR[kv_dtype], f"top-1 agreement {agree:.1%}"
-    assert max(abs(a - b) for a, b in zip(lps["auto"], lps[kv_dtype])) > 1e-3, "the fp8 cache must really round"
+    assert agree >= TOP1_FLOOR[kv_dtype, calculate], f"top-1 agreement {agree:.1%}"
+    assert max(abs(a - b) for a, b in zip(lps["fp32"], lps["fp8"])) > 1e-3, "the fp8 cache must really round"
+    scales = [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in fp8.engine.executor.runner.model.layers]
+    assert all((k != 1.0 and v != 1.0) == calculate for k, v in scales)
+
+
+@pytest.mark.slow
+def test_calculated_kv_scales_come_from_the_first_forward_pass(tiny_model):
+    """The scales put the first batch's largest |K| and |V| at e4m3's 448, are kept after it, and the
+    same first batch gives the same scales and outputs."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22]]
+    runs = []
+    for _ in range(2):
+        llm = LLM(str(tiny_model("llama")), dtype="float32", kv_cache_memory=0.02, swap_space=0,
+                  kv_cache_dtype="fp8", calculate_kv_scales=True)
+        attn = llm.engine.executor.runner.model.layers[0].self_attn
+        seen = {}
+        hook = attn.qkv_proj.register_forward_hook(lambda m, i, o: [seen.setdefault("kv", m.split(o)[1:])] and None)
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        hook.remove()
+        k, v = seen["kv"]
+        runs.append(([o.outputs[0].token_ids for o in out], attn.k_scale, attn.v_scale))
+        assert attn.kv_calibration_max is None
+        assert attn.v_scale == pytest.approx(float(v.abs().max()) / 448, rel=1e-6)
+        assert 0 < attn.k_scale != 1.0      # K is taken after rope, so not the raw projection's amax
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
         self.k_scale = self.v_scale = 1.0      # what an fp8 KV cache divides K and V by
+        self.kv_calibration_max: float | None = None   # set: take the scales from the next forward pass
 
     def load(self, param: str, tensor: torch.Tensor, shard: str = "") -> None:
         """The checkpoint's own tensors of this module are the fp8 KV cache scales (`self_attn.k_scale`,
@@ -38,6 +39,14 @@ class Attention(nn.Module):
         if param not in ("k_scale", "v_scale") or tensor.numel() != 1:
             raise ValueError(f"expected a one-element k_scale or v_scale, got {param} of shape {tuple(tensor.shape)}")
         setattr(self, param, float(tensor.reshape(-1)[0]))
+
+    def _calibrate_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`--calculate-kv-scales`: once, before anything is written with them, the scales that put this
+        batch's largest |K| and |V| at the cache format's largest value (vLLM computes them from its first
+        forward pass too), so small entries are not lost to fp8's subnormals."""
+        fmax, self.kv_calibration_max = self.kv_calibration_max, None
+        self.k_scale = max(float(k.abs().amax()), 1e-6) / fmax
+        self.v_scale = max(float(v.abs().amax()), 1e-6) / fmax
 
     def forward(self, x: torch.Tensor, rot: Rotation,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: Any,
@@ -51,6 +60,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rot.apply(q, k)
         k_cache, v_cache = kv_cache
+        if self.kv_calibration_max is not None:
+            self._calibrate_kv_scales(k, v)
         backend.write_kv(k, v, k_cache, v_cache, meta, self.k_scale, self.v_scale)
         o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
