@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from gpu_worker.layers.linear import Linear, LinearMethod
+from gpu_worker.layers.linear import Linear
 from gpu_worker.quantization.checkpoint import CheckpointFormat, expect_dtype, expect_shape
 from gpu_worker.quantization.packed import QuantizedTensor
+from gpu_worker.quantization.packed_linear import PackedLinearMethod
 
 log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
@@ -85,22 +86,13 @@ class FP8Format(CheckpointFormat):
         return Fp8Tensor(w, s.float().reshape(-1, 1).expand(n, 1).contiguous())
 
 
-class Fp8LinearMethod(LinearMethod):
+class Fp8LinearMethod(PackedLinearMethod):
+    """Shards that arrive as Fp8Tensor are kept; plain ones are quantized per channel after loading."""
+    keeps = Fp8Tensor
     quantizes_lm_head = False        # vLLM keeps the output projection in the run dtype
 
-    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
-        super().create_weights(layer, dtype)     # filled only by shards that arrive unquantized
-        layer.fp8_shards = {}
-
-    def load_weight(self, layer: Linear, param: str, tensor, shard: str) -> None:
-        if param == "weight" and isinstance(tensor, Fp8Tensor):
-            self.shard_rows(layer, param, shard, tuple(tensor.shape), (layer.in_features,))
-            layer.fp8_shards[shard] = tensor
-        else:
-            super().load_weight(layer, param, tensor, shard)
-
     def process_weights_after_loading(self, layer: Linear) -> None:
-        shards, layer.fp8_shards = layer.fp8_shards, {}
+        shards, layer.pending_shards = layer.pending_shards, {}
         parts = [shards.get(s) or Fp8Tensor.quantize(layer.weight.data[lo:hi])
                  for s, (lo, hi) in layer.shard_ranges.items()]
         group = min(p.group for p in parts)

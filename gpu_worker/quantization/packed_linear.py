@@ -20,13 +20,15 @@ log = logging.getLogger(__name__)
 
 
 class PackedLinearMethod(LinearMethod):
+    keeps: type[QuantizedTensor] = QuantizedTensor     # checkpoint tensors this method keeps as they come
+
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         super().create_weights(layer, dtype)     # untouched unless a shard arrives unquantized
         layer.packed = None
         layer.pending_shards = {}
 
     def load_weight(self, layer: Linear, param: str, tensor, shard: str) -> None:
-        if param == "weight" and isinstance(tensor, QuantizedTensor):
+        if param == "weight" and isinstance(tensor, self.keeps):
             self.shard_rows(layer, param, shard, tuple(tensor.shape), (layer.in_features,))
             layer.pending_shards[shard] = tensor
         else:
