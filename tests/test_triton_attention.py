@@ -16,10 +16,10 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from gpu_worker.attention import AttentionMetadata  # noqa: E402
 from gpu_worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from gpu_worker.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from gpu_worker.kernels.triton_jit import interpret_mode  # noqa: E402
+from tests.attention_cases import make_meta, rand  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -39,46 +39,6 @@ def _interpreter_on_cpu() -> None:
         assert interpret_mode()
 
 
-def make_meta(seqs: list[tuple[int, int]], block_size: int, num_blocks: int,
-              gen: torch.Generator) -> AttentionMetadata:
-    """Metadata for sequences given as (context_len, query_len), with blocks drawn from a random
-    permutation of the cache so block tables are non-contiguous and unordered."""
-    ctx = [c for c, _ in seqs]
-    ql = [q for _, q in seqs]
-    sl = [c + q for c, q in seqs]
-    nblk = [(s + block_size - 1) // block_size for s in sl]
-    assert sum(nblk) <= num_blocks
-    perm = torch.randperm(num_blocks, generator=gen)
-    max_blocks = max(nblk)
-    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(nblk):
-        tables[i, :n] = perm[used:used + n]
-        used += n
-    slots = []
-    for i, (c, s) in enumerate(zip(ctx, sl)):
-        pos = torch.arange(c, s)
-        slots.append(tables[i, pos // block_size].long() * block_size + pos % block_size)
-    qsl = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(torch.tensor(ql), 0)
-    return AttentionMetadata(
-        slot_mapping=torch.cat(slots).to(DEVICE),
-        query_start_loc=qsl.to(DEVICE),
-        seq_lens=torch.tensor(sl, dtype=torch.int32, device=DEVICE),
-        context_lens=torch.tensor(ctx, dtype=torch.int32, device=DEVICE),
-        block_tables=tables.to(DEVICE),
-        block_size=block_size,
-        max_query_len=max(ql),
-        max_seq_len=max(sl),
-        query_lens_list=ql,
-        seq_lens_list=sl,
-    )
-
-
-def rand(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(shape, generator=gen).to(dtype=dtype, device=DEVICE)
-
-
 def run_both(seqs: list[tuple[int, int]], hq: int, hkv: int, head_dim: int, block_size: int,
              dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a batch over a randomly filled cache (no write): Triton vs torch outputs."""
@@ -89,7 +49,7 @@ def run_both(seqs: list[tuple[int, int]], hq: int, hkv: int, head_dim: int, bloc
     v_cache = rand((num_blocks, block_size, hkv, head_dim), dtype, gen)
     query = rand((sum(q for _, q in seqs), hq, head_dim), dtype, gen)
     scale = head_dim ** -0.5
-    tri, ref = TritonAttentionBackend(), TorchAttentionBackend()
+    tri, ref = TritonAttentionBackend(), TorchAttentionBackend(native=False)   # the SDPA reference
     # the step's own K/V, as if write_kv had just put them at their slots (torch reads them for fresh prefills)
     key, value = (c.view(-1, hkv, head_dim)[meta.slot_mapping] for c in (k_cache, v_cache))
     out = tri.forward(query, key, value, k_cache, v_cache, tri.prepare(meta), scale)
@@ -177,7 +137,7 @@ def test_write_then_forward_matches_torch(dtype: torch.dtype) -> None:
     query, key, value = rand((t, hq, d), dtype, gen), rand((t, hkv, d), dtype, gen), rand((t, hkv, d), dtype, gen)
     k0, v0 = rand((24, bs, hkv, d), dtype, gen), rand((24, bs, hkv, d), dtype, gen)
     kt, vt, kr, vr = k0.clone(), v0.clone(), k0.clone(), v0.clone()
-    tri, ref = TritonAttentionBackend(), TorchAttentionBackend()
+    tri, ref = TritonAttentionBackend(), TorchAttentionBackend(native=False)   # the SDPA reference
     tm, rm = tri.prepare(meta), ref.prepare(meta)
     tri.write_kv(key, value, kt, vt, tm)
     ref.write_kv(key, value, kr, vr, rm)
@@ -216,7 +176,7 @@ def test_fp8_cache_write_then_forward_matches_torch(kv_dtype: torch.dtype, scale
     query, key, value = (rand((t, h, d), torch.float32, gen) for h in (hq, hkv, hkv))
     k0, v0 = (rand((24, bs, hkv, d), torch.float32, gen).to(kv_dtype) for _ in range(2))
     kt, vt, kr, vr = k0.clone(), v0.clone(), k0.clone(), v0.clone()
-    tri, ref = TritonAttentionBackend(), TorchAttentionBackend()
+    tri, ref = TritonAttentionBackend(), TorchAttentionBackend(native=False)   # the SDPA reference
     tm, rm = tri.prepare(meta), ref.prepare(meta)
     tri.write_kv(key, value, kt, vt, tm, ks, vs)
     ref.write_kv(key, value, kr, vr, rm, ks, vs)

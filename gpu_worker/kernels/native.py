@@ -1,4 +1,5 @@
-"""Builds and loads the C++ CPU kernels (qgemm.cpp) and says which instruction set they may use.
+"""Builds and loads the C++ CPU kernels (qgemm.cpp: quantized matmuls; paged_attention.cpp: decode
+attention on the paged KV cache) and says which instruction set they may use.
 
 The library is plain C ABI loaded with ctypes, so it needs no torch headers and builds in seconds with
 the system g++ during scripts/setup.sh (`python -m gpu_worker.kernels.native`). It links OpenMP by
@@ -22,25 +23,29 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "qgemm.cpp"
+SOURCES = (HERE / "qgemm.cpp", HERE / "paged_attention.cpp")
 LIBRARY = HERE / "_build" / "libpsq.so"
-ABI_VERSION = 2
+ABI_VERSION = 3
 ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
 
 
 def build(force: bool = False) -> Path:
     """Compile the library if it is missing or older than its source; returns its path."""
-    if not force and LIBRARY.is_file() and LIBRARY.stat().st_mtime >= SOURCE.stat().st_mtime:
+    if not force and not _stale():
         return LIBRARY
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) found")
     LIBRARY.parent.mkdir(exist_ok=True)
     tmp = LIBRARY.with_suffix(f".{os.getpid()}.tmp")
-    subprocess.run([cxx, *_FLAGS, str(SOURCE), "-o", str(tmp)], check=True)
+    subprocess.run([cxx, *_FLAGS, *map(str, SOURCES), "-o", str(tmp)], check=True)
     tmp.replace(LIBRARY)     # atomic: a concurrently starting worker never loads half a file
     return LIBRARY
+
+
+def _stale() -> bool:
+    return not LIBRARY.is_file() or LIBRARY.stat().st_mtime < max(s.stat().st_mtime for s in SOURCES)
 
 
 def cpu_isa() -> int:
@@ -65,7 +70,7 @@ def _isa_level(forced: str) -> int:
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (with one warning) when they cannot be had."""
     try:
-        if not LIBRARY.is_file() or LIBRARY.stat().st_mtime < SOURCE.stat().st_mtime:
+        if _stale():
             build()
         lib = ctypes.CDLL(str(LIBRARY))
         if lib.psq_abi_version() != ABI_VERSION:
@@ -78,6 +83,9 @@ def library() -> ctypes.CDLL | None:
     lib.psq_gemm.restype = None
     lib.psq_dequantize.argtypes = [p, p, p, i, i, i, i, p, i]
     lib.psq_dequantize.restype = None
+    f = ctypes.c_float
+    lib.psq_paged_decode.argtypes = [p, p, p, i, p, i, p, i, i, i, i, i, f, p, i]
+    lib.psq_paged_decode.restype = i
     return lib
 
 

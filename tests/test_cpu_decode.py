@@ -1,0 +1,48 @@
+"""The native CPU decode kernel (gpu_worker/kernels/paged_attention.cpp) against the torch backend's SDPA
+path, on every cache dtype and instruction-set level this CPU has, in mixed steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.attention import to_cache
+from gpu_worker.attention.torch_backend import TorchAttentionBackend
+from gpu_worker.kernels import native
+from tests.attention_cases import make_meta, rand
+
+pytestmark = pytest.mark.unit
+CPU = torch.device("cpu")
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+ISAS = [isa for isa, level in native.ISA_LEVELS.items() if level <= native.cpu_isa()]
+
+
+def run(seqs, hq, hkv, head_dim, block_size, kv_dtype, native_on: bool, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum((c + q + block_size - 1) // block_size for c, q in seqs) + 3
+    meta = make_meta(seqs, block_size, num_blocks, gen, CPU)
+    k_cache, v_cache = (to_cache(rand((num_blocks, block_size, hkv, head_dim), torch.float32, gen, CPU), kv_dtype, 0.5)
+                        for _ in range(2))
+    query = rand((sum(q for _, q in seqs), hq, head_dim), torch.float32, gen, CPU)
+    key, value = (c.view(-1, hkv, head_dim)[meta.slot_mapping].float() for c in (k_cache, v_cache))
+    backend = TorchAttentionBackend(native=native_on)
+    prepared = backend.prepare(meta)
+    assert (prepared.native is not None) == (native_on and any(q == 1 for _, q in seqs))
+    return backend.forward(query, key, value, k_cache, v_cache, prepared, head_dim ** -0.5, 0.5, 0.5)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernels are not built")
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("seqs", [[(20, 1), (0, 1), (33, 1), (5, 1)], [(20, 1), (0, 19), (13, 7), (5, 1), (40, 1)]],
+                         ids=["decodes-only", "mixed"])
+def test_native_decode_matches_sdpa(seqs, kv_dtype, isa, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", isa)
+    for hq, hkv, d in ((4, 2, 64), (9, 3, 64), (8, 1, 32)):
+        got = run(seqs, hq, hkv, d, 16, kv_dtype, True)
+        want = run(seqs, hq, hkv, d, 16, kv_dtype, False)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernels are not built")
+def test_native_decode_is_used_by_default_on_the_cpu():
+    assert TorchAttentionBackend().prepare(make_meta([(3, 1)], 16, 4, torch.Generator(), CPU)).native is not None
