@@ -22,6 +22,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         raise pytest.UsageError("tests need exactly one of the markers " + ", ".join(TIERS) + ":\n" + "\n".join(wrong))
 
 
+@pytest.fixture
+def force_isa(monkeypatch):
+    """force_isa("avx2"): cap the native kernels' instruction set for this test (PAGEDSERVE_CPU_ISA)."""
+    from gpu_worker.kernels import native
+
+    def force(isa: str) -> None:
+        monkeypatch.setenv("PAGEDSERVE_CPU_ISA", isa)
+        native.reread_isa_cap()
+    yield force
+    monkeypatch.undo()
+    native.reread_isa_cap()
+
+
 @pytest.fixture(scope="session")
 def default_tokenizer():
     """The default model's tokenizer; PAGEDSERVE_TEST_TOKENIZER names a saved copy where the model's package

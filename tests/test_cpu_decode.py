@@ -35,8 +35,8 @@ def run(seqs, hq, hkv, head_dim, block_size, kv_dtype, native_on: bool, seed: in
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("seqs", [[(20, 1), (0, 1), (33, 1), (5, 1)], [(20, 1), (0, 19), (13, 7), (5, 1), (40, 1)]],
                          ids=["decodes-only", "mixed"])
-def test_native_decode_matches_sdpa(seqs, kv_dtype, isa, monkeypatch):
-    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", isa)
+def test_native_decode_matches_sdpa(seqs, kv_dtype, isa, force_isa):
+    force_isa(isa)
     for hq, hkv, d in ((4, 2, 64), (9, 3, 64), (8, 1, 32)):
         got = run(seqs, hq, hkv, d, 16, kv_dtype, True)
         want = run(seqs, hq, hkv, d, 16, kv_dtype, False)

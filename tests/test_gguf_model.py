@@ -28,10 +28,10 @@ def reference(default_tokenizer):
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
-def test_default_gguf_kept_quantized_is_small_and_agrees(default_tokenizer, reference, isa, monkeypatch):
+def test_default_gguf_kept_quantized_is_small_and_agrees(default_tokenizer, reference, isa, force_isa):
     """At most 35% of the fp32 bytes, and greedy output identical on at least 75% of prompts over 32
     tokens, with the first divergence a near-tie (our token in the reference's top-5)."""
-    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", isa)
+    force_isa(isa)
     if native.cpu_isa() < native.ISA_LEVELS[isa]:
         pytest.skip(f"this CPU has no {isa}")
     kept_bytes, kept = run(default_tokenizer, "gguf")

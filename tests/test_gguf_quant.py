@@ -50,7 +50,7 @@ def ref_weights(t: GGUFTensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", sorted(SUPPORTED, key=lambda q: q.name), ids=lambda q: q.name)
-def test_blocks_expand_exactly_as_gguf_does(qtype, monkeypatch):
+def test_blocks_expand_exactly_as_gguf_does(qtype, force_isa):
     t = gguf_tensor(qtype, 24, 512)
     pw = t.pack()
     want = ref_weights(t)
@@ -58,7 +58,7 @@ def test_blocks_expand_exactly_as_gguf_does(qtype, monkeypatch):
     assert pw.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 8)
     assert native.available(), "the native kernels did not build; scripts/setup.sh builds them"
     for isa in native.ISA_LEVELS:          # levels above this CPU's are capped to what it has
-        monkeypatch.setenv("PAGEDSERVE_CPU_ISA", isa)
+        force_isa(isa)
         assert torch.equal(pw._dequantize_fast(native.library()), want), isa
     rows = torch.tensor([3, 0, 23, 3])
     assert torch.equal(pw.dequantize(rows), want[rows])
@@ -70,10 +70,10 @@ def isa_levels() -> list[str]:
 
 @pytest.mark.parametrize("isa", isa_levels())
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K, T.Q4_K, T.Q5_0], ids=lambda q: q.name)
-def test_native_matmul_matches_fp64_reference(isa, qtype, monkeypatch):
+def test_native_matmul_matches_fp64_reference(isa, qtype, force_isa):
     if not native.available():
         pytest.fail("the native kernels did not build; scripts/setup.sh builds them")
-    monkeypatch.setenv("PAGEDSERVE_CPU_ISA", isa)
+    force_isa(isa)
     if native.cpu_isa() < native.ISA_LEVELS[isa]:
         pytest.skip(f"this CPU has no {isa}")
     t = gguf_tensor(qtype, 40, 256, seed=1)

@@ -1,5 +1,5 @@
 """Builds and loads the C++ CPU kernels (qgemm.cpp: quantized matmuls; paged_attention.cpp: decode
-attention on the paged KV cache) and says which instruction set they may use.
+attention on the paged KV cache; rms_norm.cpp) and says which instruction set they may use.
 
 The library is plain C ABI loaded with ctypes, so it needs no torch headers and builds in seconds with
 the system g++ during scripts/setup.sh (`python -m gpu_worker.kernels.native`). It links OpenMP by
@@ -23,7 +23,7 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "qgemm.cpp", HERE / "paged_attention.cpp")
+SOURCES = (HERE / "qgemm.cpp", HERE / "paged_attention.cpp", HERE / "rms_norm.cpp")
 LIBRARY = HERE / "_build" / "libpsq.so"
 ABI_VERSION = 3
 ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}
@@ -48,10 +48,23 @@ def _stale() -> bool:
     return not LIBRARY.is_file() or LIBRARY.stat().st_mtime < max(s.stat().st_mtime for s in SOURCES)
 
 
+_isa: int | None = None
+
+
 def cpu_isa() -> int:
     """The best level this CPU runs, from torch's own run-time detection, capped by PAGEDSERVE_CPU_ISA
-    (portable | avx2 | avx512) so tests can exercise every path on one machine."""
-    return _isa_level(os.environ.get("PAGEDSERVE_CPU_ISA", ""))
+    (portable | avx2 | avx512) so tests can exercise every path on one machine. Read once: every kernel
+    call asks (~150 a decode step), and the environment lookup cost more than some of the kernels;
+    `reread_isa_cap()` after changing the variable."""
+    global _isa
+    if _isa is None:
+        _isa = _isa_level(os.environ.get("PAGEDSERVE_CPU_ISA", ""))
+    return _isa
+
+
+def reread_isa_cap() -> None:
+    global _isa
+    _isa = None
 
 
 @lru_cache(maxsize=8)
@@ -86,6 +99,8 @@ def library() -> ctypes.CDLL | None:
     f = ctypes.c_float
     lib.psq_paged_decode.argtypes = [p, p, p, i, p, i, p, i, i, i, i, i, f, p, i]
     lib.psq_paged_decode.restype = i
+    lib.psq_rms_norm.argtypes = [p, i, i, p, f, p, i]
+    lib.psq_rms_norm.restype = None
     return lib
 
 
