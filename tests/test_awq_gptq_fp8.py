@@ -10,7 +10,9 @@ import torch
 from gpu_worker.quantization.awq import AWQFormat
 from gpu_worker.quantization.checkpoint import read_checkpoint_format
 from gpu_worker.quantization.fp8 import FP8Format
+from gpu_worker.kernels import native
 from gpu_worker.quantization.gptq import GPTQFormat
+from gpu_worker.quantization.packed import FP8_BITS, PackedWeight
 from loadtest.tiny_model import build_tiny_model
 from pagedserve import LLM
 from loadtest.quant_checkpoints import (dequantized, fp8_parts, pack_awq, pack_gptq, quantize,
@@ -67,6 +69,26 @@ def test_fp8_block_and_tensor_scales_dequantize():
         parts, want = fp8_parts(w, block)
         t = FP8Format(tuple(block) if block else None).build(PREFIX, parts)
         assert torch.equal(t.dequantize(), want)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("isa", list(native.ISA_LEVELS))
+def test_fp8_weights_in_the_native_kernel(isa, force_isa):
+    """e4m3 bytes (subnormals and both signs included) times group scales, as the kernel expands them at
+    each instruction-set level, against torch's own fp8 conversion; one row, a decode tile, the GEMM path."""
+    assert native.available(), "the native kernels did not build; scripts/setup.sh builds them"
+    force_isa(isa)
+    gen = torch.Generator().manual_seed(3)
+    values = (torch.randn(48, 192, generator=gen) * 40).to(torch.float8_e4m3fn)
+    values[0, :32] = torch.tensor([2.0 ** -9 * i for i in range(-16, 16)]).to(torch.float8_e4m3fn)  # subnormals
+    scale = torch.rand(48, 3, generator=gen) + 0.5
+    pw = PackedWeight(values.view(torch.uint8), scale, torch.zeros_like(scale), FP8_BITS, 64)
+    want = (values.float().view(48, 3, 64) * scale[:, :, None]).view(48, 192)
+    assert torch.equal(pw.dequantize(), want)
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 192, generator=gen)
+        # terms reach ~10^3, so float sums in another order differ by ~10^-4 (the scalar path)
+        torch.testing.assert_close(pw.matmul(x), x @ want.T, rtol=1e-5, atol=1e-3)
 
 
 @pytest.mark.unit
@@ -173,8 +195,9 @@ def test_fp8_at_load_and_an_expanded_awq_match_hf(base_model, tmp_path, default_
     for folder, quant, ref in ((base_model, "fp8", "fp8-ref"), (tmp_path / "awq", "none", "awq-ref")):
         llm = LLM(str(folder), dtype="float32", kv_cache_memory=0.02, swap_space=0, quantization=quant)
         modules = list(llm.engine.executor.runner.model.modules())
-        assert sum(hasattr(m, "w_fp8") for m in modules) == (8 if quant == "fp8" else 0)
-        assert not any(getattr(m, "packed", None) is not None for m in modules)
+        fp8 = [m for m in modules if hasattr(m, "w_fp8") or getattr(getattr(m, "packed", None), "bits", 0) == FP8_BITS]
+        assert len(fp8) == (8 if quant == "fp8" else 0)
+        assert all(getattr(m, "packed", None) is None for m in modules if m not in fp8)
         reference = Reference(tmp_path / ref)
         for out, ids in zip(run_greedy(llm, prompts, max_new=16), prompts):
             assert out.outputs[0].token_ids == reference(ids, 16).token_ids, quant

@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "qgemm.cpp", HERE / "paged_attention.cpp", HERE / "rms_norm.cpp")
+HEADERS = (HERE / "fp8.h",)
 LIBRARY = HERE / "_build" / "libpsq.so"
-ABI_VERSION = 3
+ABI_VERSION = 4
 ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
 
@@ -45,7 +46,7 @@ def build(force: bool = False) -> Path:
 
 
 def _stale() -> bool:
-    return not LIBRARY.is_file() or LIBRARY.stat().st_mtime < max(s.stat().st_mtime for s in SOURCES)
+    return not LIBRARY.is_file() or LIBRARY.stat().st_mtime < max(s.stat().st_mtime for s in SOURCES + HEADERS)
 
 
 _isa: int | None = None

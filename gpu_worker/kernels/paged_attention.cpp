@@ -20,30 +20,9 @@
 
 #include <vector>
 
+#include "fp8.h"
+
 namespace {
-
-float fp8_table[2][256];   // [e4m3fn, e5m2][byte] -> value
-
-float fp8_value(int byte, int exp_bits, int man_bits, int bias, bool has_inf) {
-    const int sign = byte >> 7, e = (byte >> man_bits) & ((1 << exp_bits) - 1), m = byte & ((1 << man_bits) - 1);
-    float v;
-    if (e == (1 << exp_bits) - 1 && (has_inf || m == (1 << man_bits) - 1))
-        v = has_inf && m == 0 ? INFINITY : NAN;
-    else if (e == 0)
-        v = ldexpf((float)m, 1 - bias - man_bits);
-    else
-        v = ldexpf((float)(m + (1 << man_bits)), e - bias - man_bits);
-    return sign ? -v : v;
-}
-
-struct Fp8Tables {
-    Fp8Tables() {
-        for (int b = 0; b < 256; ++b) {
-            fp8_table[0][b] = fp8_value(b, 4, 3, 7, false);
-            fp8_table[1][b] = fp8_value(b, 5, 2, 15, true);
-        }
-    }
-} fp8_tables_init;
 
 inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
@@ -85,7 +64,7 @@ __attribute__((always_inline)) inline const float* row_at(const Args& a, const v
         }
         default: {
             const uint8_t* s = (const uint8_t*)cache + at;
-            const float* table = fp8_table[a.kv_dtype - 3];
+            const float* table = fp8_table.v[a.kv_dtype - 3];
             for (int i = 0; i < a.D; ++i) buf[i] = table[s[i]];
             return buf;
         }

@@ -9,7 +9,10 @@
 // Layouts (one row of W per output feature, K a multiple of 32, G a power of two >= 16):
 //   bits 8: q is int8 [N][K];
 //   bits 4: q is uint8 [N][K/2]; within each run of 32 values, byte j holds value j in its low nibble
-//           and value j+16 in its high nibble (the GGUF Q4 order), values 0..15.
+//           and value j+16 in its high nibble (the GGUF Q4 order), values 0..15;
+//   bits 9 (FP8): q is float8_e4m3fn bytes [N][K]. An e4m3 byte shifted left by 7 (sign by 8) is the fp16
+//           of its value / 2^8, subnormals included, so the vector paths expand it with one fp16
+//           conversion and an exact multiply by 256.
 // scale and offset are fp32 [N][K/G]. The expansion is one fused multiply-add, so W matches a reference
 // that computes scale*q + offset in fp32 bit for bit.
 //
@@ -19,7 +22,11 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "fp8.h"
+
 namespace {
+
+constexpr int FP8 = 9;
 
 struct Args {
     const float* x; int M; int K;
@@ -34,6 +41,7 @@ inline int groups(const Args& a) { return a.K >> a.gs; }
 inline float weight_at(const Args& a, int n, int k) {
     int g = n * groups(a) + (k >> a.gs);
     int v;
+    if (a.bits == FP8) return __builtin_fmaf(fp8_table.v[0][a.q[(int64_t)n * a.K + k]], a.scale[g], a.offset[g]);
     if (a.bits == 8) {
         v = reinterpret_cast<const int8_t*>(a.q)[(int64_t)n * a.K + k];
     } else {
@@ -52,7 +60,15 @@ void row_portable(const Args& a, int n, int m0, int mt) {
 }
 
 // ---- AVX-512 ---------------------------------------------------------------------------------
-// The integer values of one run of 32 weights (k..k+31 of the row at `q`), as two float vectors.
+// 16 e4m3 bytes as floats: each byte's bits moved into fp16 position, converted, times 2^8 (exact).
+__attribute__((target("avx512f,avx512bw,fma"))) inline __m512 fp8x16_avx512(__m128i b) {
+    const __m256i h = _mm256_cvtepu8_epi16(b);
+    const __m256i bits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
+                                         _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_mul_ps(_mm512_cvtph_ps(bits), _mm512_set1_ps(256.f));
+}
+
+// The values of one run of 32 weights (k..k+31 of the row at `q`), as two float vectors.
 template <int BITS>
 __attribute__((target("avx512f,avx512bw,fma"))) inline void values_avx512(const uint8_t* q, int k, __m512& w0,
                                                                           __m512& w1) {
@@ -60,6 +76,9 @@ __attribute__((target("avx512f,avx512bw,fma"))) inline void values_avx512(const 
         const __m128i b = _mm_loadu_si128((const __m128i*)(q + k / 2));
         w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(15))));
         w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15))));
+    } else if (BITS == FP8) {
+        w0 = fp8x16_avx512(_mm_loadu_si128((const __m128i*)(q + k)));
+        w1 = fp8x16_avx512(_mm_loadu_si128((const __m128i*)(q + k + 16)));
     } else {
         w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k))));
         w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k + 16))));
@@ -70,6 +89,7 @@ __attribute__((target("avx512f,avx512bw,fma"))) inline void values_avx512(const 
 __attribute__((target("avx512f,avx512bw,fma"))) inline void expand_avx512(const Args& a, int n, int k,
                                                                           __m512& w0, __m512& w1) {
     if (a.bits == 4) values_avx512<4>(a.q + (int64_t)n * (a.K / 2), k, w0, w1);
+    else if (a.bits == FP8) values_avx512<FP8>(a.q + (int64_t)n * a.K, k, w0, w1);
     else values_avx512<8>(a.q + (int64_t)n * a.K, k, w0, w1);
     const float* sc = a.scale + (int64_t)n * groups(a);
     const float* of = a.offset + (int64_t)n * groups(a);
@@ -117,7 +137,7 @@ __attribute__((target("avx512f,avx512bw,fma"))) float dot1_avx512(const Args& a,
     const int gpr = groups(a);
     const float* sc = a.scale + (int64_t)n * gpr;
     const float* of = a.offset + (int64_t)n * gpr;
-    const uint8_t* q = a.q + (int64_t)n * (BITS == 4 ? a.K / 2 : a.K);
+    const uint8_t* q = a.q + (int64_t)n * (BITS == 4 ? a.K / 2 : a.K);   // 8-bit and fp8: a byte a value
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     __m512 acc2 = _mm512_setzero_ps(), acc3 = _mm512_setzero_ps();
     int k = 0;
@@ -131,8 +151,9 @@ __attribute__((target("avx512f,avx512bw,fma"))) float dot1_avx512(const Args& a,
 
 __attribute__((target("avx512f,avx512bw,fma"))) void row1_avx512(const Args& a, int n) {
     const bool g16 = a.G == 16;
-    const float d = a.bits == 4 ? (g16 ? dot1_avx512<4, true>(a, n) : dot1_avx512<4, false>(a, n))
-                                : (g16 ? dot1_avx512<8, true>(a, n) : dot1_avx512<8, false>(a, n));
+    const float d = a.bits == 4     ? (g16 ? dot1_avx512<4, true>(a, n) : dot1_avx512<4, false>(a, n))
+                    : a.bits == FP8 ? (g16 ? dot1_avx512<FP8, true>(a, n) : dot1_avx512<FP8, false>(a, n))
+                                    : (g16 ? dot1_avx512<8, true>(a, n) : dot1_avx512<8, false>(a, n));
     a.y[n] = d + (a.bias ? a.bias[n] : 0.f);
 }
 
@@ -146,14 +167,14 @@ __attribute__((target("avx512f,avx512bw,fma"))) void dequant_avx512(const Args& 
 }
 
 // ---- AVX2 ------------------------------------------------------------------------------------
-__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
+__attribute__((target("avx2,fma,f16c"))) inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
 }
 
-__attribute__((target("avx2,fma"))) inline void expand_avx2(const Args& a, int n, int k, __m256 w[4]) {
+__attribute__((target("avx2,fma,f16c"))) inline void expand_avx2(const Args& a, int n, int k, __m256 w[4]) {
     if (a.bits == 4) {
         const __m128i b = _mm_loadu_si128((const __m128i*)(a.q + (int64_t)n * (a.K / 2) + k / 2));
         const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
@@ -162,6 +183,14 @@ __attribute__((target("avx2,fma"))) inline void expand_avx2(const Args& a, int n
         w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
         w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
         w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    } else if (a.bits == FP8) {
+        const uint8_t* qr = a.q + (int64_t)n * a.K + k;
+        for (int i = 0; i < 4; ++i) {
+            const __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(qr + 8 * i)));
+            const __m128i bits = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8),
+                                              _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7));
+            w[i] = _mm256_mul_ps(_mm256_cvtph_ps(bits), _mm256_set1_ps(256.f));
+        }
     } else {
         const int8_t* qr = reinterpret_cast<const int8_t*>(a.q) + (int64_t)n * a.K + k;
         for (int i = 0; i < 4; ++i)
@@ -176,7 +205,7 @@ __attribute__((target("avx2,fma"))) inline void expand_avx2(const Args& a, int n
 }
 
 template <int MT>
-__attribute__((target("avx2,fma"))) void row_avx2(const Args& a, int n, int m0) {
+__attribute__((target("avx2,fma,f16c"))) void row_avx2(const Args& a, int n, int m0) {
     __m256 acc[MT][2];
     for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     const float* x = a.x + (int64_t)m0 * a.K;
@@ -196,7 +225,7 @@ __attribute__((target("avx2,fma"))) void row_avx2(const Args& a, int n, int m0) 
         a.y[(int64_t)(m0 + m) * a.N + n] = hsum256(_mm256_add_ps(acc[m][0], acc[m][1])) + bias;
 }
 
-__attribute__((target("avx2,fma"))) void dequant_avx2(const Args& a, int n, float* out) {
+__attribute__((target("avx2,fma,f16c"))) void dequant_avx2(const Args& a, int n, float* out) {
     for (int k = 0; k < a.K; k += 32) {
         __m256 w[4];
         expand_avx2(a, n, k, w);
@@ -234,7 +263,7 @@ void row_any(const Args& a, int n, int m0, int mt, int isa) {
 
 extern "C" {
 
-int psq_abi_version() { return 3; }
+int psq_abi_version() { return 4; }
 
 // y = x W^T (+ bias). Parallel over output features: each thread streams its own slice of W.
 void psq_gemm(const float* x, int M, int K, const uint8_t* q, const float* scale, const float* offset,

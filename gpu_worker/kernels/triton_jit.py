@@ -3,7 +3,9 @@
 Triton is optional: CPU-only deployments never launch a kernel, so importing a kernel module must work
 without it (`triton` and `tl` are then None and `jitted` raises). Tests on a CPU turn the interpreter on
 (TRITON_INTERPRET=1) after modules are imported, and triton.jit reads the mode when it wraps a function,
-so kernels are wrapped on first launch and kept per mode.
+so kernels are wrapped on first launch and kept per mode. Importing triton itself before the
+interpreter is switched on breaks the interpreter's kernels (measured: every interpreted test fails),
+so code on the CPU path imports the kernel modules only where they run.
 """
 from __future__ import annotations
 

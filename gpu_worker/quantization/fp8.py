@@ -2,10 +2,11 @@
 
 Two ways in: an unquantized checkpoint is quantized at load with one scale per output channel (vLLM's
 dynamic fp8), and an FP8 checkpoint (`quant_method: fp8`: `weight` in float8_e4m3fn with `weight_scale`
-per tensor or per channel, or `weight_scale_inv` per [bn, bk] block) loads as it is. Where the hardware
-has no fp8 math (the CPU) the matmul upcasts the weights one tile of output rows at a time, so the fp32
-copy never exists whole; the activations stay in the run dtype (weight-only, as vLLM runs fp8 on GPUs
-without fp8 units), so a checkpoint's `input_scale` is read and not applied, with one log line.
+per tensor or per channel, or `weight_scale_inv` per [bn, bk] block) loads as it is. On the CPU the
+native kernel expands the e4m3 bytes in registers (a PackedWeight with FP8_BITS); elsewhere, without fp8
+math, the matmul upcasts the weights one tile of output rows at a time, so the copy in the run dtype
+never exists whole. The activations stay in the run dtype (weight-only, as vLLM runs fp8 on GPUs without
+fp8 units), so a checkpoint's `input_scale` is read and not applied, with one log line.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import torch
 
 from gpu_worker.layers.linear import Linear
 from gpu_worker.quantization.checkpoint import CheckpointFormat, expect_dtype, expect_shape
-from gpu_worker.quantization.packed import QuantizedTensor
+from gpu_worker.kernels import native
+from gpu_worker.quantization.packed import FP8_BITS, PackedWeight, QuantizedTensor
 from gpu_worker.quantization.packed_linear import PackedLinearMethod
 
 log = logging.getLogger(__name__)
@@ -98,10 +100,18 @@ class Fp8LinearMethod(PackedLinearMethod):
         group = min(p.group for p in parts)
         device = layer.weight.device
         del layer.weight
-        layer.register_buffer("w_fp8", torch.cat([p.values for p in parts]).to(device), persistent=False)
-        layer.register_buffer("w_scale", torch.cat([p.regroup(group) for p in parts]).to(device), persistent=False)
+        values, scale = torch.cat([p.values for p in parts]).to(device), torch.cat([p.regroup(group) for p in parts])
+        pow2 = group & -group                 # the native kernel's groups are powers of two
+        if device.type == "cpu" and native.library() is not None and pow2 >= 16 and values.shape[1] % 32 == 0:
+            scale = scale.repeat_interleave(group // pow2, dim=1).contiguous()
+            layer.packed = PackedWeight(values.view(torch.uint8), scale, torch.zeros_like(scale), FP8_BITS, pow2)
+            return
+        layer.register_buffer("w_fp8", values, persistent=False)
+        layer.register_buffer("w_scale", scale.to(device), persistent=False)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.packed is not None:          # the CPU: the native kernel expands e4m3 in registers
+            return layer.packed.matmul(x, layer.bias)
         w8, scale = layer.w_fp8, layer.w_scale
         (n, k), lead = w8.shape, x.shape[:-1]
         group = k // scale.shape[1]

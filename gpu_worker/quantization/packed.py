@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_worker.kernels import native, triton_qgemm
+from gpu_worker.kernels import native
 
 GEMM_MAX_ROWS = 16   # loadtest/qgemm_bench.py: direct wins up to ~16 rows, expand+gemm beyond
+FP8_BITS = 9         # q holds float8_e4m3fn bytes (the native kernel's code for them)
 
 
 @dataclass
@@ -70,7 +71,7 @@ class QuantizedTensor:
 
 @dataclass
 class PackedWeight:
-    q: torch.Tensor         # uint8 [N, K/2] (bits 4) or int8 [N, K] (bits 8)
+    q: torch.Tensor         # uint8 [N, K/2] (bits 4), int8 [N, K] (bits 8) or e4m3 bytes [N, K] (FP8_BITS)
     scale: torch.Tensor     # float32 [N, K/group]
     offset: torch.Tensor    # float32 [N, K/group]
     bits: int
@@ -94,7 +95,7 @@ class PackedWeight:
             raise ValueError(f"packed weights need K a multiple of 32 and groups of 16n, got K={k}, "
                              f"group {gq.group}")
         if gq.group & (gq.group - 1):
-            gq = gq.regroup(16)          # the kernel finds groups by shifting
+            gq = gq.regroup(gq.group & -gq.group)     # the kernel finds groups by shifting: a power of two
         lo, hi = int(q.min()), int(q.max())
         if lo >= 0 and hi <= 15:
             runs = q.reshape(rows, k // 32, 2, 16).astype(np.uint8)
@@ -115,6 +116,8 @@ class PackedWeight:
     def values(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The integer values of all rows (or of `rows`), as float32."""
         q = self.q if rows is None else self.q[rows]
+        if self.bits == FP8_BITS:
+            return q.view(torch.float8_e4m3fn).float()
         if self.bits == 8:
             return q.float()
         runs = q.reshape(q.shape[0], -1, 1, 16)
@@ -143,6 +146,7 @@ class PackedWeight:
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
         if x.device.type == "cuda":        # Triton: each tile dequantized in registers, in x's dtype
+            from gpu_worker.kernels import triton_qgemm     # imports triton: only where it runs
             y = triton_qgemm.packed_matmul(x2, self.q, self.scale, self.offset, self.bits, self.group, bias)
             return y.reshape(*lead, -1) if len(lead) != 1 else y
         if x2.dtype != torch.float32 or not x2.is_contiguous():
