@@ -155,11 +155,9 @@ def test_quantized_checkpoint_matches_hf_on_its_dequantized_weights(name, base_m
     kept = [path for path, m in model.named_modules()
             if getattr(m, "packed", None) is not None or hasattr(m, "w_fp8")]
     # act-order shards with different input orders cannot share one packing: those layers expand to fp32
-    per_layer = ["o_proj", "down_proj"] if opts.get("shared_order") is False else \
-        ["qkv_proj", "gate_up_proj", "o_proj", "down_proj"]
-    assert sorted(kept) == sorted(f"layers.{i}.{p}" for i in range(2) for p in per_layer
-                                  for p in [f"self_attn.{p}" if "proj" in p and p in ("qkv_proj", "o_proj")
-                                            else f"mlp.{p}"])
+    per_layer = ["self_attn.o_proj", "mlp.down_proj"] if opts.get("shared_order") is False else \
+        ["self_attn.qkv_proj", "mlp.gate_up_proj", "self_attn.o_proj", "mlp.down_proj"]
+    assert sorted(kept) == sorted(f"layers.{i}.{p}" for i in range(2) for p in per_layer)
     ref = Reference(tmp_path / "ref")
     prompts = prompt_ids(default_tokenizer)
     for out, ids in zip(run_greedy(llm, prompts, max_new=16), prompts):

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from gpu_worker.kernels import native
 from gpu_worker.layers.linear import Linear
 from gpu_worker.quantization.checkpoint import CheckpointFormat, expect_dtype, expect_shape
-from gpu_worker.kernels import native
 from gpu_worker.quantization.packed import FP8_BITS, PackedWeight, QuantizedTensor
 from gpu_worker.quantization.packed_linear import PackedLinearMethod
 
