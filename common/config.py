@@ -106,6 +106,11 @@ class EngineConfig:
     max_waiting_requests: int = 4096
     max_waiting_tokens: int = 1 << 22
     speculative_config: str | dict | None = None   # JSON object (CLI) or dict (LLM): see common/speculative.py
+    enable_lora: bool = False
+    max_loras: int = 1                    # adapters resident on the workers at once; a step never mixes more
+    max_lora_rank: int = 16               # the largest rank an adapter may have (slots are sized for it)
+    max_cpu_loras: int | None = None      # adapters the workers keep in host memory (default: max_loras)
+    lora_modules: list[str] | None = None  # adapters served from start-up: name=path or JSON (common/lora.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

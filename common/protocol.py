@@ -12,6 +12,7 @@ from typing import Any
 
 import msgpack
 
+from common.lora import LoRARequest
 from common.sampling_params import SamplingParams
 
 # ---- liveness: every process reads these from here, so the two ends of a heartbeat cannot disagree ----
@@ -32,6 +33,21 @@ class EngineRequest:
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     client_id: str = ""
+    lora_request: LoRARequest | None = None     # the adapter to run under (HTTP: its name alone)
+
+
+@dataclass
+class LoadLoRA:
+    """Router -> scheduler: serve this adapter from now on (answered with an Ack of `request_id`)."""
+    request_id: str
+    lora: LoRARequest
+
+
+@dataclass
+class UnloadLoRA:
+    """Router -> scheduler: stop accepting requests for this adapter; those running finish under it."""
+    request_id: str
+    lora_name: str
 
 
 @dataclass
@@ -52,7 +68,7 @@ class NewSequenceData:
     num_computed_tokens: int
     num_new_tokens: int           # tokens to run this step
     seed: int | None = None
-    lora_id: int = 0              # adapter slot the sequence runs with; 0 is the base model
+    lora_id: int = 0              # the adapter's key (SchedulerOutput.lora_loads says its slot); 0: none
 
 
 @dataclass
@@ -79,6 +95,9 @@ class SchedulerOutput:
     # some: the worker runs them in the same pass and samples at each of the k + 1 positions; the
     # sequence's num_new_tokens counts them.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # (slot, adapter key, folder): load the adapter into that slot before this step runs (it replaces the
+    # slot's previous adapter, which no sequence of this step uses)
+    lora_loads: list[tuple[int, int, str]] = field(default_factory=list)
 
     @property
     def total_num_tokens(self) -> int:
@@ -153,6 +172,8 @@ class WorkerInfo:
     vocab_size: int
     block_bytes: int
     weight_bytes: int = 0        # parameters and packed weights resident on this worker
+    num_layers: int = 0
+    lora_targets: dict[str, tuple[int, int]] = field(default_factory=dict)   # with --enable-lora: common/lora.py
 
 
 @dataclass
@@ -174,7 +195,7 @@ class Stats:
 # ---- wire form -------------------------------------------------------------------------------------
 _TYPES: list[type] = [EngineRequest, AbortRequests, NewSequenceData, CachedSequenceData, SchedulerOutput,
                       ModelRunnerOutput, EngineOutput, EngineOutputs, SamplingParams, Hello, Ack, Stats,
-                      WorkerInit, WorkerInfo, WorkerReady]
+                      WorkerInit, WorkerInfo, WorkerReady, LoRARequest, LoadLoRA, UnloadLoRA]
 _TAG = {t: i for i, t in enumerate(_TYPES)}
 _FIELDS = {t: [f.name for f in dataclasses.fields(t)] for t in _TYPES}
 

@@ -18,6 +18,7 @@ from common.sampling_params import SamplingParams
 from common.speculative import SpeculativeConfig
 from gpu_worker.attention import (FP8_DTYPES, allocate_kv_cache, get_backend, index_copy_rows, kv_block_bytes,
                                   resolve_kv_cache_dtype)
+from gpu_worker.lora import LoRAManager
 from gpu_worker.sampler import build_sampling_batch, draw, logprob_records, prompt_logprobs
 from gpu_worker.spec_decode import Proposer, build_proposer
 from gpu_worker.spec_decode.proposer import CachePair
@@ -62,6 +63,9 @@ class ModelRunner:
                                 config.quantization, config.load_format)
         log.info("loaded %s (%s, %s) in %.1fs", self.source.name, self.model_config.arch, self.dtype,
                  time.perf_counter() - t0)
+        self.lora = LoRAManager(self.model, self.model_config.num_layers, config.max_loras, config.max_lora_rank,
+                                config.max_cpu_loras or config.max_loras, self.device, self.dtype) \
+            if config.enable_lora else None
         self.backend = get_backend(config.attention_backend, self.device)
         self.block_size = config.block_size
         self.eos_ids: set[int] = set(self.model_config.eos_token_ids)   # the engine adds the tokenizer's
@@ -82,7 +86,8 @@ class ModelRunner:
             self._calibrate_kv_scales_on_first_step()
         return WorkerInfo(num_blocks=num_blocks, num_host_blocks=num_host, max_model_len=self.max_model_len,
                           vocab_size=self.model_config.vocab_size, block_bytes=self.block_bytes(),
-                          weight_bytes=weight_bytes(self.model))
+                          weight_bytes=weight_bytes(self.model), num_layers=self.model_config.num_layers,
+                          lora_targets=self.lora.targets if self.lora else {})
 
     def _calibrate_kv_scales_on_first_step(self) -> None:
         """Every attention layer (draft model's included) takes its fp8 scales from the first real step,
@@ -153,7 +158,7 @@ class ModelRunner:
             return out
         inputs = build_step_inputs(self.seqs, scheduled, self.block_size, self.device)
         attn = self.backend.prepare(inputs.attn)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn, self.backend)
+        hidden = self._forward(inputs, attn)
         if inputs.sample_seq_ids:
             self._sample(hidden, inputs, out)
         for seq_id, lp_rows in inputs.prompt_logprobs.items():
@@ -161,6 +166,16 @@ class ModelRunner:
         if self.proposer is not None:
             self._speculate(scheduled, inputs.sample_seq_ids, out)
         return out
+
+    def _forward(self, inputs: StepInputs, attn) -> torch.Tensor:
+        """The target model over the step's rows, each under its sequence's adapter slot."""
+        if self.lora is None:
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn, self.backend)
+        self.lora.begin_step(inputs.lora_ids)
+        try:
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn, self.backend)
+        finally:
+            self.lora.end_step()
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs, out: ModelRunnerOutput) -> None:
         """Sample every logits row; a sequence with k drafts keeps what the verifier (spec_decode/rejection.py)
@@ -216,6 +231,10 @@ class ModelRunner:
             self._move_blocks(sched.blocks_to_copy, "device", "device")
         if sched.blocks_to_swap_in:
             self._move_blocks(sched.blocks_to_swap_in, "host", "device")
+        if sched.lora_loads:
+            if self.lora is None:
+                raise RuntimeError("the scheduler sent LoRA adapters to a worker started without --enable-lora")
+            self.lora.load(sched.lora_loads)
         for r in sched.new_seqs:
             self.seqs[r.seq_id] = SequenceState.from_new(r, self.device)
         for r in sched.cached_seqs:

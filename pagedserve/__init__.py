@@ -2,10 +2,11 @@
 
 Offline use: `from pagedserve import LLM, SamplingParams`; asyncio programs: `AsyncLLMEngine`.
 """
+from common.lora import LoRARequest
 from common.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.async_engine import AsyncLLM, AsyncLLMEngine, EngineDeadError
 from pagedserve.llm import LLM, CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "AsyncLLMEngine", "AsyncLLM", "EngineDeadError", "SamplingParams", "RequestOutputKind",
+__all__ = ["LLM", "AsyncLLMEngine", "AsyncLLM", "EngineDeadError", "SamplingParams", "RequestOutputKind", "LoRARequest",
            "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

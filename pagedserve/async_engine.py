@@ -19,6 +19,7 @@ from dataclasses import fields
 from typing import Any
 
 from common.config import EngineConfig
+from common.lora import LoRARequest
 from common.model_source import ModelSource, eos_token_ids
 from common.output_processor import RequestTracker
 from common.protocol import STARTUP_TIMEOUT_S, EngineOutput
@@ -121,11 +122,11 @@ class AsyncLLMEngine:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Stream one request's RequestOutputs (cumulative, or as sampling_params.output_kind says); the last
-        has finished=True. Leaving the loop early (break, cancellation, an exception) aborts the request."""
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported yet")
+        has finished=True. Leaving the loop early (break, cancellation, an exception) aborts the request.
+        `lora_request`: the adapter to run under (loaded on first use; the engine needs enable_lora)."""
         sp = sampling_params or SamplingParams()
         ids = self.encode_prompt(prompt)
         rid = request_id or uuid.uuid4().hex
@@ -133,7 +134,7 @@ class AsyncLLMEngine:
         client = await self._ready()
         self._raise_if_dead()
         try:
-            queue = await client.add(rid, ids, sp)
+            queue = await client.add(rid, ids, sp, lora=lora_request)
         except EngineDead as e:
             raise EngineDeadError(str(e)) from None
         except EngineRejected as e:

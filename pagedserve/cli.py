@@ -11,6 +11,7 @@ import time
 from typing import Any, TypeVar
 
 from common.config import KV_CACHE_DTYPES, QUANTIZATION_ALIASES, QUANTIZATION_METHODS, EngineConfig
+from common.lora import parse_lora_module
 from common.speculative import SpeculativeConfig
 from pagedserve.engine_processes import EngineProcesses, wait_all
 from router.config import API_KEY_ENV, DEFAULT_FRONTEND, RouterConfig
@@ -28,6 +29,11 @@ _ENGINE_HELP = {
                            "(largest magnitude at the format's largest value), not 1.0 or the checkpoint's",
     "kv_cache_dtype": "KV cache entries: auto (the model dtype), float32, bfloat16, float16, fp8 (= fp8_e4m3), "
                       "fp8_e5m2",
+    "enable_lora": "serve LoRA adapters: requests choose one by its name in \"model\"",
+    "max_loras": "adapters resident on the workers at once; a step never mixes more",
+    "max_lora_rank": "the largest adapter rank accepted (the adapter slots are sized for it)",
+    "max_cpu_loras": "adapters the workers keep in host memory (default: --max-loras)",
+    "lora_modules": "adapters to serve from start-up: name=path, or JSON {\"name\", \"path\", \"base_model_name\"}",
 }
 _ROUTER_HELP = {
     "frontend_address": "the scheduler's frontend address",
@@ -58,6 +64,8 @@ def add_config_args(p: argparse.ArgumentParser, config_cls: type, helps: dict[st
         kw: dict[str, Any] = {"dest": f.name, "default": default, "help": helps.get(f.name)}
         if f.type in ("bool", bool):
             p.add_argument(_flag(f), action=argparse.BooleanOptionalAction, **kw)
+        elif str(f.type).startswith("list[str]"):
+            p.add_argument(_flag(f), nargs="+", type=str, **kw)
         else:
             p.add_argument(_flag(f), type=_FLAG_TYPES.get(str(f.type), str), **kw)
 
@@ -77,7 +85,10 @@ def config_flags(config: Any, *, skip: tuple[str, ...] = ("model",)) -> list[str
         if f.name in skip or value == f.default:
             continue
         flag = _flag(f)
-        out += ([flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)])
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
     return out
 
 
@@ -141,6 +152,7 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     kv = getattr(args, "kv_cache_dtype", "auto")
     if kv not in KV_CACHE_DTYPES:
         parser.error(f"--kv-cache-dtype {kv!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+    _check_lora_args(parser, args)
     if getattr(args, "speculative_config", None) is not None:
         try:
             spec = SpeculativeConfig.parse(args.speculative_config)
@@ -148,6 +160,27 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
                 spec.check_draft(getattr(args, "model", None))
         except ValueError as e:    # json.JSONDecodeError is one
             parser.error(f"--speculative-config: {e}")
+
+
+def _check_lora_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not hasattr(args, "enable_lora"):
+        return
+    if args.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    for name in ("max_loras", "max_lora_rank"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
+        parser.error(f"--max-cpu-loras ({args.max_cpu_loras}) must be at least --max-loras ({args.max_loras})")
+    names: set[str] = set()
+    for spec in args.lora_modules or []:
+        try:
+            name = parse_lora_module(spec).lora_name
+        except ValueError as e:
+            parser.error(str(e))
+        if name in names:
+            parser.error(f"--lora-modules names {name!r} twice")
+        names.add(name)
 
 
 def main(argv: list[str] | None = None) -> None:

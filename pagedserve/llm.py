@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from common.config import EngineConfig
+from common.lora import LoRARequest
 from common.model_source import ModelSource, eos_token_ids
 from common.output_processor import RequestTracker
 from common.protocol import EngineRequest, Logprob
@@ -64,20 +65,25 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """`lora_request`: the adapter every prompt runs under, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("give one lora_request, or one per prompt")
         trackers: dict[str, tuple[RequestTracker, str | None]] = {}
         order = []
         try:
-            for prompt, sp in zip(prompts, params):
+            for prompt, sp, lora in zip(prompts, params, loras):
                 text = prompt if isinstance(prompt, str) else None
                 ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
                 rid = str(next(self._ids))
-                self.engine.add_request(EngineRequest(rid, ids, sp))
+                self.engine.add_request(EngineRequest(rid, ids, sp, lora_request=lora))
                 trackers[rid] = (RequestTracker(rid, ids, sp, self.tokenizer), text)
                 order.append(rid)
         except Exception:   # one bad prompt refuses the call; nothing of it stays in the engine

@@ -22,6 +22,7 @@ from aiohttp import web
 from router.config import RouterConfig
 from router.engine_client import EngineClient
 from router.generation import EngineFailure, Generation
+from router.lora_endpoints import adapter_cards, add_lora_routes
 from router.metrics import RouterMetrics
 from router.openai_protocol import APIError, ModelInfo, ParsedRequest, decode_json_body, render_chat
 from router.openai_render import (API, DONE_EVENT, SSE_HEADERS, ChatAPI, CompletionAPI, SSEEncoder, error_event,
@@ -55,7 +56,8 @@ class ServerState:
     background: set[asyncio.Task] = field(default_factory=set)
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo(self.model_name, self.vocab_size, self.client.max_model_len or self.max_model_len or 0)
+        lora = bool(self.client.stats and self.client.stats.values.get("max_lora"))
+        return ModelInfo(self.model_name, self.vocab_size, self.client.max_model_len or self.max_model_len or 0, lora)
 
     def not_ready_reason(self) -> str | None:
         if self.draining:
@@ -115,7 +117,7 @@ async def full_response(g: Generation, api: API) -> web.Response:
             pass
     except EngineFailure as e:
         raise APIError(503, str(e), code="engine_failure") from None
-    return json_response({"id": g.id, "object": api.object, "created": g.created, "model": g.st.model_name,
+    return json_response({"id": g.id, "object": api.object, "created": g.created, "model": g.model_name,
                           "choices": [api.full_choice(g, s, c) for s, c in g.choices()], "usage": g.usage()})
 
 
@@ -152,7 +154,7 @@ async def models(request: web.Request) -> web.Response:
     st = request.app[STATE]
     card = {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "pagedserve",
             "root": st.model_root, "max_model_len": st.model_info().max_model_len or None}
-    return json_response({"object": "list", "data": [card]})
+    return json_response({"object": "list", "data": [card] + adapter_cards(st.client, st.model_name, st.created)})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -231,6 +233,7 @@ def build_app(client: EngineClient, tokenizer: Any, model_name: str, *, api_key:
     app.router.add_post("/v1/completions", generation_handler(CompletionAPI()))
     app.router.add_post("/v1/chat/completions", generation_handler(ChatAPI()))
     app.router.add_get("/v1/models", models)
+    add_lora_routes(app, lambda request: request.app[STATE].client)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

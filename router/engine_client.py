@@ -14,12 +14,12 @@ import uuid
 import zmq
 import zmq.asyncio
 
-from common.protocol import (DEAD_AFTER_S, HEARTBEAT_S, AbortRequests, Ack, EngineOutput, EngineOutputs, EngineRequest, Hello, Stats,
-                             decode, encode)
+from common.lora import LoRARequest
+from common.protocol import (DEAD_AFTER_S, HEARTBEAT_S, AbortRequests, Ack, EngineOutput, EngineOutputs, EngineRequest,
+                             Hello, LoadLoRA, Stats, UnloadLoRA, decode, encode)
 from common.sampling_params import SamplingParams
 
 log = logging.getLogger("pagedserve.router")
-
 
 
 class EngineRejected(Exception):
@@ -91,31 +91,43 @@ class EngineClient:
 
     # ---- requests ----------------------------------------------------------------------------
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  timeout: float = 30.0) -> asyncio.Queue[EngineOutput]:
-        """Submit a request; returns its output queue once the scheduler has accepted it."""
+                  timeout: float = 30.0, lora: LoRARequest | None = None) -> asyncio.Queue[EngineOutput]:
+        """Submit a request (under the adapter `lora`: by name, or with its folder to load it on first
+        use); returns its output queue once the scheduler has accepted it."""
+        q: asyncio.Queue[EngineOutput] = asyncio.Queue()
+        self.queues[request_id] = q
+        try:
+            await self._acked(request_id, EngineRequest(request_id, prompt_token_ids, params, time.monotonic(),
+                                                        self.client_id, lora), timeout)
+        except BaseException:
+            self.queues.pop(request_id, None)
+            raise
+        return q
+
+    async def load_lora(self, request_id: str, lora: LoRARequest, timeout: float = 60.0) -> None:
+        """Have the scheduler serve a new adapter; EngineRejected says why it will not."""
+        await self._acked(request_id, LoadLoRA(request_id, lora), timeout)
+
+    async def unload_lora(self, request_id: str, name: str, timeout: float = 30.0) -> None:
+        await self._acked(request_id, UnloadLoRA(request_id, name), timeout)
+
+    async def _acked(self, request_id: str, msg: object, timeout: float) -> None:
+        """Send `msg` and wait for the scheduler's Ack of `request_id`; EngineRejected unless it is a 200."""
         reason = self.dead_reason
         if reason:
             raise EngineDead(reason)
         fut: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
         self.acks[request_id] = fut
-        q: asyncio.Queue[EngineOutput] = asyncio.Queue()
-        self.queues[request_id] = q
         try:
-            await self.sock.send(encode(EngineRequest(request_id, prompt_token_ids, params, time.monotonic(),
-                                                      self.client_id)))
+            await self.sock.send(encode(msg))
             # not asyncio.wait_for: before Python 3.12 it swallows a cancellation that lands in the same loop
             # iteration as the ack, so a client that hung up right then would never abort its request
             async with asyncio.timeout(timeout):
                 ack = await fut
-        except BaseException:
-            self.queues.pop(request_id, None)
-            raise
         finally:
             self.acks.pop(request_id, None)
         if ack.code != 200:
-            self.queues.pop(request_id, None)
             raise EngineRejected(ack.code, ack.error or "rejected", ack.param)
-        return q
 
     async def abort(self, request_id: str, index: int = -1, keep_queue: bool = False) -> None:
         """Abort a request (or one choice); `keep_queue`: its queue stays to receive the "abort" outputs the

@@ -67,6 +67,11 @@ class Generation:
         self._pumps: list[asyncio.Task] = []
 
     @property
+    def model_name(self) -> str:
+        """The `model` responses carry: the adapter's name, or the served model's."""
+        return self.parsed.lora_name or self.st.model_name
+
+    @property
     def finished(self) -> bool:
         return all(s.tracker.finished for s in self.subs)
 
@@ -76,7 +81,7 @@ class Generation:
         try:
             for s in self.subs:
                 self.st.inflight[s.request_id] = params.n
-                s.queue = await client.add(s.request_id, s.prompt.token_ids, params)
+                s.queue = await client.add(s.request_id, s.prompt.token_ids, params, lora=self.parsed.lora)
         except BaseException as e:
             self.abort()
             if (api_error := self._refusal(e)) is not None:
@@ -90,7 +95,8 @@ class Generation:
                 self.st.metrics.rejected()
                 return APIError(429, e.message, param=e.param, code="rate_limit_exceeded",
                                 headers={"Retry-After": RETRY_AFTER_S})
-            return APIError(e.code, e.message, param=e.param)
+            return APIError(e.code, e.message, param=e.param,
+                            code="model_not_found" if (e.code, e.param) == (404, "model") else None)
         if isinstance(e, (EngineDead, asyncio.TimeoutError)):
             return APIError(503, f"the engine is unavailable: {e or 'no answer'}", code="engine_unavailable")
         return None

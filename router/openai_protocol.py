@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from common.lora import LoRARequest
 from common.sampling_params import MAX_TOP_LOGPROBS, ParamError, SamplingParams
 
 # A completions call may carry a batch of prompts; each becomes an engine request of its own.
@@ -51,6 +52,7 @@ class ModelInfo:
     name: str
     vocab_size: int
     max_model_len: int
+    lora_enabled: bool = False     # other model names are adapter names, for the scheduler to resolve
 
 
 @dataclass
@@ -70,6 +72,11 @@ class ParsedRequest:
     # completions: `logprobs` (top count); chat: `top_logprobs` when `logprobs` is true; None: no logprobs
     logprobs: int | None = None
     user: str | None = None
+    lora_name: str | None = None    # the adapter `model` names; None: the base model
+
+    @property
+    def lora(self) -> LoRARequest | None:
+        return LoRARequest(self.lora_name) if self.lora_name else None
 
 
 # ---- JSON body -------------------------------------------------------------------------------------
@@ -134,11 +141,17 @@ def _or(v: Any, default: Any) -> Any:
 
 
 # ---- shared checks ---------------------------------------------------------------------------------
-def check_model(body: dict, model: ModelInfo) -> None:
+def check_model(body: dict, model: ModelInfo) -> str | None:
+    """The adapter `model` names, or None for the base model. With LoRA on, any other name is passed on as
+    an adapter name: the scheduler holds the adapters (loaded at run time through any router replica) and
+    answers 404 for a name it does not know."""
     name = _str(body, "model")
-    if name is not None and name != model.name:
-        raise APIError(404, f"The model `{name}` does not exist. This server serves `{model.name}`.",
-                       param="model", code="model_not_found")
+    if name is None or name == model.name:
+        return None
+    if model.lora_enabled:
+        return name
+    raise APIError(404, f"The model `{name}` does not exist. This server serves `{model.name}`.",
+                   param="model", code="model_not_found")
 
 
 def _token_ids(v: Any, model: ModelInfo, param: str) -> list[int]:
@@ -251,7 +264,7 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
 
 # ---- /v1/completions -------------------------------------------------------------------------------
 def parse_completion_request(body: dict, tokenizer: Any, model: ModelInfo) -> ParsedRequest:
-    check_model(body, model)
+    lora_name = check_model(body, model)
     if body.get("suffix") is not None:
         raise bad("'suffix' is not supported", "suffix")
     stream, include_usage = _stream_flags(body)
@@ -265,7 +278,7 @@ def parse_completion_request(body: dict, tokenizer: Any, model: ModelInfo) -> Pa
         check_length(len(p.token_ids), max_tokens, model, "prompt")
     # echo with logprobs reports the prompt's logprobs too, as OpenAI does
     params = _sampling_params(body, model, max_tokens, logprobs, logprobs if echo and logprobs is not None else None)
-    return ParsedRequest(False, prompts, params, stream, include_usage, echo, logprobs, _str(body, "user"))
+    return ParsedRequest(False, prompts, params, stream, include_usage, echo, logprobs, _str(body, "user"), lora_name)
 
 
 def _split_prompts(v: Any) -> list[str | list[int]]:
@@ -309,7 +322,7 @@ def _tokenize_prompt(p: str | list[int], tokenizer: Any, model: ModelInfo) -> Pr
 
 # ---- /v1/chat/completions --------------------------------------------------------------------------
 def parse_chat_request(body: dict, tokenizer: Any, model: ModelInfo) -> ParsedRequest:
-    check_model(body, model)
+    lora_name = check_model(body, model)
     stream, include_usage = _stream_flags(body)
     want_logprobs = bool(_bool(body, "logprobs"))
     top = _int(body, "top_logprobs")
@@ -327,7 +340,7 @@ def parse_chat_request(body: dict, tokenizer: Any, model: ModelInfo) -> ParsedRe
     max_tokens = check_length(len(ids), requested, model, "messages")
     params = _sampling_params(body, model, max_tokens, logprobs, None)
     return ParsedRequest(True, [PromptInput(ids, text)], params, stream, include_usage, False, logprobs,
-                         _str(body, "user"))
+                         _str(body, "user"), lora_name)
 
 
 def parse_messages(v: Any) -> list[dict[str, Any]]:

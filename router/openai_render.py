@@ -180,7 +180,7 @@ class SSEEncoder:
     """Chunk events with the constant part (id, object, created, model) encoded once per request."""
 
     def __init__(self, g: Generation, api: API) -> None:
-        head = orjson.dumps({"id": g.id, "object": api.chunk_object, "created": g.created, "model": g.st.model_name})
+        head = orjson.dumps({"id": g.id, "object": api.chunk_object, "created": g.created, "model": g.model_name})
         self.head = b"data: " + head[:-1] + b',"choices":['
         self.tail = b'],"usage":null}\n\n' if g.parsed.include_usage else b"]}\n\n"
 

@@ -24,6 +24,7 @@ class SchedulerConfig:
     speculative: bool = False                   # drafts may arrive from the workers' proposer
     spec_disable_by_batch_size: int | None = None
     spec_lookahead_slots: int = 0               # KV slots past a sampling step's tokens, for a draft model's drafts
+    max_loras: int = 0                          # adapter slots on the workers; 0: LoRA is off
 
     @classmethod
     def from_engine(cls, engine: EngineConfig, worker: WorkerInfo) -> "SchedulerConfig":
@@ -35,4 +36,5 @@ class SchedulerConfig:
                    max_waiting_requests=engine.max_waiting_requests,
                    max_waiting_tokens=engine.max_waiting_tokens, speculative=spec is not None,
                    spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
-                   spec_lookahead_slots=spec.lookahead_slots if spec else 0)
+                   spec_lookahead_slots=spec.lookahead_slots if spec else 0,
+                   max_loras=engine.max_loras if engine.enable_lora else 0)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 
 from common.config import EngineConfig
+from common.lora import LoRAError, LoRARequest, parse_lora_module
 from common.protocol import EngineOutput, EngineRequest
+from scheduler.admission import RequestRejected
 from scheduler.executor import Executor
 from scheduler.config import SchedulerConfig
+from scheduler.lora_registry import LoRAAdapter, LoRARegistry
 from scheduler.scheduler import Scheduler
 
 log = logging.getLogger("pagedserve.engine")
@@ -22,6 +25,10 @@ class EngineCore:
         self.num_blocks = info.num_blocks
         self.scheduler = Scheduler(SchedulerConfig.from_engine(config, info), eos_token_ids)
         self.weight_bytes = info.weight_bytes
+        self.loras = LoRARegistry(config.enable_lora, info.lora_targets, info.num_layers, config.max_lora_rank)
+        for spec in config.lora_modules or []:
+            adapter = self.loras.load(parse_lora_module(spec))
+            log.info("LoRA adapter %r (rank %d) from %s", adapter.name, adapter.info.rank, adapter.path)
         log.info("model weights: %.1f MiB per worker", info.weight_bytes / (1 << 20))
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d host blocks for swap; %.1f concurrent requests "
                  "at max_model_len %d", info.num_blocks, config.block_size,
@@ -29,7 +36,20 @@ class EngineCore:
                  info.num_blocks * config.block_size / self.max_model_len, self.max_model_len)
 
     def add_request(self, req: EngineRequest) -> None:
-        self.scheduler.add_request(req)
+        try:
+            adapter = self.loras.resolve(req.lora_request)
+        except LoRAError as e:
+            raise RequestRejected(str(e), e.code, "model" if e.param == "lora_name" else e.param) from None
+        self.scheduler.add_request(req, adapter)
+        if adapter is not None:
+            self.loras.count_request(adapter)
+
+    def load_lora(self, req: LoRARequest) -> LoRAAdapter:
+        """Serve a new adapter from now on (LoRAError if it cannot be)."""
+        return self.loras.load(req)
+
+    def unload_lora(self, name: str) -> None:
+        self.loras.unload(name)
 
     def abort(self, request_ids: list[str], indexes: list[int] | None = None) -> list[EngineOutput]:
         """Abort whole requests, or (with indexes, -1 = all) single choices of them."""

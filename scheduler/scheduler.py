@@ -16,6 +16,8 @@ from common.protocol import (CachedSequenceData, EngineOutput, EngineRequest, Mo
 from scheduler.admission import RequestRejected, validate_request
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.lora_registry import LoRAAdapter
+from scheduler.lora_slots import LoRASlots
 from scheduler.sequence import Sequence, Status
 from scheduler.sequence_group import SequenceGroup
 
@@ -52,11 +54,14 @@ class Scheduler:
         self.groups: dict[str, SequenceGroup] = {}          # request_id -> its choices
         self.stats = SchedulerStats()
         self._to_drop: list[str] = []                       # worker state to free at the next step
+        self.lora_slots = LoRASlots(config.max_loras)
+        self._step_lora_keys: set[int] = set()              # adapters of the step being scheduled
         self._step_ids = itertools.count()
 
     # ---- admission -----------------------------------------------------------------------------
-    def add_request(self, er: EngineRequest) -> None:
-        """Queue a request as its first sequence (its other choices are forked after its prefill)."""
+    def add_request(self, er: EngineRequest, lora: LoRAAdapter | None = None) -> None:
+        """Queue a request as its first sequence (its other choices are forked after its prefill), under
+        `lora` (the engine core resolved er.lora_request to it)."""
         if er.request_id in self.groups:
             raise RequestRejected(f"request id {er.request_id!r} is already in use", 400)
         try:
@@ -70,7 +75,7 @@ class Scheduler:
         seq = Sequence(seq_id=er.request_id, request_id=er.request_id, index=0,
                        prompt_token_ids=list(er.prompt_token_ids), sampling_params=sp, max_tokens=max_tokens,
                        eos_token_ids=self.eos_token_ids, client_id=er.client_id, seed=sp.seed,
-                       arrival_time=er.arrival_time or time.monotonic())
+                       arrival_time=er.arrival_time or time.monotonic(), lora=lora)
         self.seqs[seq.seq_id] = seq
         self.groups[er.request_id] = SequenceGroup.create(seq, sp.n)
         self.waiting.append(seq)
@@ -105,6 +110,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(step_id=next(self._step_ids), finished_seq_ids=self._to_drop)
         self._to_drop = []
+        self._step_lora_keys = set()
         budget = self.config.max_num_batched_tokens
         preempted = False
 
@@ -132,19 +138,22 @@ class Scheduler:
             budget -= n
             i += 1
 
+        lora_keys = {s.lora.key for s in self.running if s.lora} if self.config.max_loras else set()
         if not preempted:
-            budget = self._swap_in(out, budget)
+            budget = self._swap_in(out, budget, lora_keys)
         if not preempted and not self.swapped:
-            self._admit(out, budget)
+            self._admit(out, budget, lora_keys)
         if out.new_seqs or out.cached_seqs:
             self.stats.num_steps += 1
             self.stats.num_step_seqs += len(out.new_seqs) + len(out.cached_seqs)
         return out
 
-    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+    def _swap_in(self, out: SchedulerOutput, budget: int, lora_keys: set[int]) -> int:
         num_seqs = self._num_running_seqs()
         while self.swapped and budget > 0 and self._may_start(self.swapped[0], num_seqs):
             seq = self.swapped[0]
+            if not LoRASlots.admits(seq.lora, lora_keys, self.config.max_loras):
+                break                        # back once the running adapters leave it a slot
             n = min(seq.num_tokens_to_compute, budget)
             slots = n + self._lookahead(seq, n)
             if not self.kv.can_swap_in(seq, slots):
@@ -157,10 +166,16 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, lora_keys: set[int]) -> None:
+        """Start waiting sequences in order; one whose adapter cannot have a slot beside the running
+        ones' keeps its place while those behind it may start."""
         num_seqs = self._num_running_seqs()
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0 and self._may_start(self.waiting[0], num_seqs):
             seq = self.waiting[0]
+            if not LoRASlots.admits(seq.lora, lora_keys, self.config.max_loras):
+                skipped.append(self.waiting.popleft())
+                continue
             hits = self.kv.get_computed_blocks(seq)
             num_hit = len(hits) * self.config.block_size
             seq.num_computed_tokens = num_hit
@@ -176,6 +191,7 @@ class Scheduler:
                 self.stats.prefix_cache_hits += num_hit
             num_seqs += self._start_running(seq, n, alloc, out)
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
     def _start_running(self, seq: Sequence, n: int, alloc: tuple[list[tuple[int, int]], int],
                        out: SchedulerOutput) -> int:
@@ -234,11 +250,13 @@ class Scheduler:
             self.stats.spec_num_draft_tokens += len(drafts)
         copies, first_changed = alloc
         out.blocks_to_copy.extend(copies)
+        if seq.lora is not None and (load := self.lora_slots.place(seq.lora, self._step_lora_keys)):
+            out.lora_loads.append(load)
         table = self.kv.table(seq.seq_id)
         if not seq.on_worker:
             out.new_seqs.append(NewSequenceData(seq.seq_id, seq.all_token_ids, seq.num_prompt_tokens,
                                                 seq.sampling_params, list(table), seq.num_computed_tokens, n,
-                                                seq.seed))
+                                                seq.seed, seq.lora.key if seq.lora else 0))
             seq.on_worker = True
         else:
             start = min(first_changed, seq.worker_num_blocks)

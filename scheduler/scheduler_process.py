@@ -14,10 +14,11 @@ from collections import defaultdict
 import zmq
 
 from common.config import EngineConfig
+from common.lora import LoRAError
 from common.model_source import ModelSource, eos_token_ids
 from common.process import die_with_parent
 from common.protocol import (CLIENT_TTL_S, HEARTBEAT_S, AbortRequests, Ack, EngineOutput, EngineOutputs,
-                             EngineRequest, Hello, SchedulerOutput, Stats, decode, encode)
+                             EngineRequest, Hello, LoadLoRA, SchedulerOutput, Stats, UnloadLoRA, decode, encode)
 from common.sampling_params import SamplingParams
 from scheduler.engine_core import EngineCore
 from scheduler.executor import WorkerDied, ZmqExecutor
@@ -126,8 +127,28 @@ class SchedulerProcess:
         elif isinstance(msg, AbortRequests):
             outs = self.core.abort(list(msg.request_ids), msg.indexes)   # per choice where given
             self._route(outs)
+        elif isinstance(msg, (LoadLoRA, UnloadLoRA)):
+            self._send(ident, self._lora_control(msg))
         elif isinstance(msg, Hello):
             pass
+
+    def _lora_control(self, msg: LoadLoRA | UnloadLoRA) -> Ack:
+        """Load or unload an adapter. On success every router gets fresh Stats before this one gets its Ack,
+        so its /v1/models already shows the change when its HTTP call returns."""
+        ack = Ack(msg.request_id)
+        try:
+            if isinstance(msg, LoadLoRA):
+                adapter = self.core.load_lora(msg.lora)
+                log.info("LoRA adapter %r (rank %d) loaded from %s", adapter.name, adapter.info.rank, adapter.path)
+            else:
+                self.core.unload_lora(msg.lora_name)
+                log.info("LoRA adapter %r unloaded", msg.lora_name)
+        except LoRAError as e:
+            ack.code, ack.error, ack.param = e.code, str(e), e.param
+            return ack
+        self.last_heartbeat = 0.0
+        self._heartbeat()
+        return ack
 
     def _route(self, outputs: list[EngineOutput]) -> None:
         by_client: dict[bytes, list[EngineOutput]] = defaultdict(list)
@@ -182,7 +203,18 @@ class SchedulerProcess:
                 "num_requests": self.sched.num_unfinished_requests,
                 "spec_num_drafts": st.spec_num_drafts, "spec_num_draft_tokens": st.spec_num_draft_tokens,
                 "spec_num_accepted_tokens": st.spec_num_accepted_tokens,
-                "spec_accepted_per_pos": list(st.spec_accepted_per_pos)}
+                "spec_accepted_per_pos": list(st.spec_accepted_per_pos), **self._lora_values()}
+
+    def _lora_values(self) -> dict:
+        """For /v1/models and the lora metrics: adapters served, those running and waiting, requests each."""
+        loras = self.core.loras
+        if not loras.enabled:
+            return {}
+        names = lambda seqs: sorted({s.lora.name for s in seqs if s.lora is not None})   # noqa: E731
+        return {"max_lora": self.sched.config.max_loras,
+                "lora_adapters": [[a.name, a.path, a.parent] for a in loras.by_name.values()],
+                "lora_running": names(self.sched.running), "lora_waiting": names(self.sched.waiting),
+                "lora_requests": dict(loras.requests)}
 
     def _log_stats(self, now: float) -> None:
         st = self.sched.stats

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.sampling_params import SamplingParams
+from scheduler.lora_registry import LoRAAdapter
 
 
 class Status(enum.Enum):
@@ -55,6 +56,7 @@ class Sequence:
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)
     first_scheduled_time: float | None = None
+    lora: LoRAAdapter | None = None      # the adapter it runs under; None: the base model
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -85,11 +87,16 @@ class Sequence:
         want = num_tokens // block_size
         if len(self.block_hashes) < want:
             tokens = self.all_token_ids
-            parent = self.block_hashes[-1] if self.block_hashes else None
+            parent = self.block_hashes[-1] if self.block_hashes else self._hash_root()
             for b in range(len(self.block_hashes), want):
                 parent = hash_block(parent, tokens[b * block_size:(b + 1) * block_size])
                 self.block_hashes.append(parent)
         return self.block_hashes[:want]
+
+    def _hash_root(self) -> int | None:
+        """What the first block's hash chains from: the adapter's key, so blocks computed under different
+        adapters (or none) are never shared, and blocks under the same one are."""
+        return None if self.lora is None else hash(("lora", self.lora.key))
 
     def check_stop(self, max_model_len: int) -> bool:
         """Apply stop conditions that need no text (stop strings are the detokenizer's job)."""

@@ -78,5 +78,5 @@ class SequenceGroup:
                         eos_token_ids=p.eos_token_ids, client_id=p.client_id, arrival_time=p.arrival_time,
                         seed=None if sp.seed is None else sp.seed + i,
                         num_computed_tokens=p.num_prompt_tokens - 1 if shared else 0,
-                        num_cached_tokens=p.num_cached_tokens,
+                        num_cached_tokens=p.num_cached_tokens, lora=p.lora,
                         status=Status.RUNNING if shared else Status.WAITING)

@@ -335,6 +335,7 @@ class FakeEngine:
         self.reject: EngineRejected | None = None
         self.fail_after: int | None = None       # steps, then an index -1 "error" output
         self.tasks: list[asyncio.Task] = []
+        self.loras: list[str | None] = []         # per added request: the adapter name it asked for
 
     @property
     def ready(self) -> bool:
@@ -344,10 +345,12 @@ class FakeEngine:
     def max_model_len(self) -> int:
         return self.stats.max_model_len
 
-    async def add(self, rid: str, ids: list[int], params: SamplingParams, timeout: float = 30.0) -> asyncio.Queue:
+    async def add(self, rid: str, ids: list[int], params: SamplingParams, timeout: float = 30.0,
+                  lora=None) -> asyncio.Queue:
         if self.reject:
             raise self.reject
         self.added.append((rid, ids, params))
+        self.loras.append(lora.lora_name if lora else None)
         q = self.queues[rid] = asyncio.Queue()
         self.aborted[rid] = set()
         self.tasks.append(asyncio.create_task(self._run(rid, len(ids), params, q)))

@@ -15,17 +15,19 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from common.lora import AdapterInfo
 from common.protocol import EngineOutput, EngineRequest, ModelRunnerOutput, SchedulerOutput
 from common.sampling_params import SamplingParams
 from scheduler.sequence import Status
 from scheduler.admission import RequestRejected
 from scheduler.config import SchedulerConfig
+from scheduler.lora_registry import LoRAAdapter
 from scheduler.scheduler import Scheduler
 
 pytestmark = pytest.mark.unit
 
 EOS = 2
-SlotRecord = tuple[int, int]   # (position, token) written into one KV slot
+SlotRecord = tuple[int, int, int]   # (position, token, adapter key) written into one KV slot
 
 
 def default_token(seq_id: str, position: int) -> int:
@@ -39,6 +41,11 @@ class WorkerState:
     num_prompt_tokens: int
     block_ids: list[int]
     num_computed_tokens: int
+    lora_id: int = 0
+
+
+def fake_adapter(key: int) -> LoRAAdapter:
+    return LoRAAdapter(f"adapter-{key}", key, f"/adapters/{key}", None, AdapterInfo(8, 1.0, ()))
 
 
 class FakeRunner:
@@ -54,6 +61,8 @@ class FakeRunner:
         self.host: dict[int, dict[int, SlotRecord]] = {}
         self.num_kv_checks = 0
         self.num_lookahead_checks = 0
+        self.lora_slots: dict[int, int] = {}   # slot -> adapter key, as the scheduler's loads filled them
+        self.reqs_lora: dict[str, int] = {}    # seq_id -> its adapter key, kept after it finishes
 
     def sample(self, seq_id: str, st: WorkerState, index: int | None = None) -> int:
         """The fake model's choice for token `index` (default: the next one) of the sequence."""
@@ -86,7 +95,8 @@ class FakeRunner:
             assert r.num_prompt_tokens <= len(r.token_ids)
             assert r.seq_id not in sched.spec_token_ids, "drafts for a sequence the worker does not hold"
             self.reqs[r.seq_id] = WorkerState(list(r.token_ids), r.num_prompt_tokens, list(r.block_ids),
-                                              r.num_computed_tokens)
+                                              r.num_computed_tokens, r.lora_id)
+            self.reqs_lora[r.seq_id] = r.lora_id
         for r in sched.cached_seqs:
             st = self.reqs[r.seq_id]
             assert st.num_computed_tokens == r.num_computed_tokens, f"{r.seq_id}: worker and scheduler disagree"
@@ -96,6 +106,7 @@ class FakeRunner:
 
         scheduled = [(r.seq_id, r.num_new_tokens) for r in sched.new_seqs + sched.cached_seqs]
         assert len({rid for rid, _ in scheduled}) == len(scheduled), "a request scheduled twice in one step"
+        self.check_lora_slots(sched, [self.reqs[seq_id].lora_id for seq_id, _ in scheduled])
         drafts = {seq_id: sched.spec_token_ids.get(seq_id, []) for seq_id, _ in scheduled}
         for seq_id, n in scheduled:
             st = self.reqs[seq_id]
@@ -111,7 +122,7 @@ class FakeRunner:
             st = self.reqs[seq_id]
             known = st.token_ids + drafts[seq_id]
             for pos in range(st.num_computed_tokens, st.num_computed_tokens + n):
-                self.dev.setdefault(st.block_ids[pos // self.bs], {})[pos % self.bs] = (pos, known[pos])
+                self.dev.setdefault(st.block_ids[pos // self.bs], {})[pos % self.bs] = (pos, known[pos], st.lora_id)
         for seq_id, n in scheduled:
             st = self.reqs[seq_id]
             self.check_context(seq_id, st, st.num_computed_tokens + n, st.token_ids + drafts[seq_id])
@@ -145,11 +156,23 @@ class FakeRunner:
             assert len(st.block_ids) * self.bs >= want, f"{seq_id}: {len(st.block_ids)} blocks, no lookahead to {want}"
             self.num_lookahead_checks += 1
 
+    def check_lora_slots(self, sched: SchedulerOutput, keys: list[int]) -> None:
+        """Every adapter of the step sits in a slot once the step's loads are applied; a load never
+        replaces an adapter this step uses, and there are never more slots than max_loras."""
+        max_loras = self.scheduler.config.max_loras
+        used = set(keys) - {0}
+        for slot, key, _ in sched.lora_loads:
+            assert 0 <= slot < max_loras, f"slot {slot} of max_loras {max_loras}"
+            assert self.lora_slots.get(slot) not in used, f"slot {slot} refilled while this step uses its adapter"
+            self.lora_slots[slot] = key
+        assert used <= set(self.lora_slots.values()), f"adapters {used - set(self.lora_slots.values())} have no slot"
+
     def check_context(self, seq_id: str, st: WorkerState, end: int, tokens: list[int]) -> None:
         """Every position the request attends to (its context and this step's tokens) holds its own token."""
         for pos in range(end):
             got = self.dev.get(st.block_ids[pos // self.bs], {}).get(pos % self.bs)
-            assert got == (pos, tokens[pos]), f"{seq_id}: KV at position {pos} holds {got}, expected {(pos, tokens[pos])}"
+            want = (pos, tokens[pos], st.lora_id)
+            assert got == want, f"{seq_id}: KV at position {pos} holds {got}, expected {want}"
         self.num_kv_checks += 1
 
 
@@ -190,9 +213,9 @@ class Harness:
         self.in_flight_after_step = 1 if pipelined else 0
         self.inflight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
 
-    def add(self, request_id: str, prompt: list[int], **sp) -> None:
+    def add(self, request_id: str, prompt: list[int], lora: LoRAAdapter | None = None, **sp) -> None:
         sp.setdefault("max_tokens", 8)
-        self.sched.add_request(EngineRequest(request_id, prompt, SamplingParams(**sp)))
+        self.sched.add_request(EngineRequest(request_id, prompt, SamplingParams(**sp)), lora)
 
     def collect(self, outs: list[EngineOutput]) -> None:
         for o in outs:
@@ -214,6 +237,10 @@ class Harness:
             self.collect(self.sched.update_from_output(*self.inflight.pop(0)))
             check_scheduler_state(self.sched)
         return sched
+
+    @staticmethod
+    def step_seq_ids(sched: SchedulerOutput) -> list[str]:
+        return [r.seq_id for r in sched.new_seqs + sched.cached_seqs]
 
     def flush(self) -> None:
         while self.inflight:
@@ -324,7 +351,7 @@ def test_mixed_prefill_and_decode_in_one_step() -> None:
 # ---- preemption ------------------------------------------------------------------------------------
 def reference_outputs(requests: list[tuple[str, list[int], dict]]) -> dict[tuple[str, int], SeqResult]:
     """What the workload produces with room to spare: no preemption, nothing shared under pressure."""
-    h = Harness(max_num_batched_tokens=256, block_size=4, num_blocks=512)
+    h = Harness(max_num_batched_tokens=256, block_size=4, num_blocks=512, max_loras=3)
     for rid, p, sp in requests:
         h.add(rid, p, **sp)
     return h.run()
@@ -726,31 +753,38 @@ request_strategy = st.tuples(
        num_blocks=st.integers(6, 16), num_host_blocks=st.sampled_from([0, 4, 32]),
        budget=st.integers(4, 40), max_num_seqs=st.integers(1, 8), caching=st.booleans(),
        aborts=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 6), st.integers(-1, 2)), max_size=3),
-       pipelined=st.booleans(), num_drafts=st.sampled_from([0, 1, 3]), lookahead=st.booleans())
+       pipelined=st.booleans(), num_drafts=st.sampled_from([0, 1, 3]), lookahead=st.booleans(),
+       max_loras=st.sampled_from([0, 1, 2]))
 def test_random_workloads_keep_blocks_consistent_and_outputs_correct(
         reqs: list[tuple[int, int, int, int, int]], num_blocks: int, num_host_blocks: int, budget: int,
         max_num_seqs: int, caching: bool, aborts: list[tuple[int, int, int]], pipelined: bool,
-        num_drafts: int, lookahead: bool) -> None:
+        num_drafts: int, lookahead: bool, max_loras: int) -> None:
     """pipelined: step N+1 is scheduled before step N's samples are back, as the scheduler process does.
     num_drafts: the worker proposes drafts (some wrong) after every sample, verified in the next step;
-    lookahead: with a draft model's lookahead slots for them."""
+    lookahead: with a draft model's lookahead slots for them. max_loras > 0: requests run under three
+    adapters or none (the KV records carry the adapter, so a block shared across adapters fails)."""
     run_random_workload(reqs, num_blocks, num_host_blocks, budget, max_num_seqs, caching, aborts, pipelined,
-                        num_drafts, lookahead)
+                        num_drafts, lookahead, max_loras)
 
 
 def run_random_workload(reqs: list[tuple[int, int, int, int, int]], num_blocks: int, num_host_blocks: int,
                         budget: int, max_num_seqs: int, caching: bool, aborts: list[tuple[int, int, int]],
-                        pipelined: bool, num_drafts: int = 0, lookahead: bool = False) -> None:
+                        pipelined: bool, num_drafts: int = 0, lookahead: bool = False, max_loras: int = 0) -> None:
     bs = 4
     prefixes = [prompt(1000, 8), prompt(1001, 5), []]
+    adapters = {k: fake_adapter(k) for k in (1, 2, 3)}
     work = []
     for i, (pre, own, max_tokens, n, _) in enumerate(reqs):
         p = prefixes[pre] + prompt(i, own)
         max_tokens = min(max_tokens, num_blocks * bs - len(p))
-        work.append((f"q{i}", p, {"max_tokens": max_tokens, "n": min(n, max_num_seqs), "ignore_eos": True}))
+        sp = {"max_tokens": max_tokens, "n": min(n, max_num_seqs), "ignore_eos": True}
+        if max_loras and i % 4:
+            sp["lora"] = adapters[i % 4]
+        work.append((f"q{i}", p, sp))
     h = Harness(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, block_size=bs, num_blocks=num_blocks,
                 num_host_blocks=num_host_blocks, enable_prefix_caching=caching, max_model_len=4096,
-                pipelined=pipelined, num_drafts=num_drafts, spec_lookahead_slots=num_drafts if lookahead else 0)
+                pipelined=pipelined, num_drafts=num_drafts, spec_lookahead_slots=num_drafts if lookahead else 0,
+                max_loras=max_loras)
     arrivals = sorted((r[4], i) for i, r in enumerate(reqs))
     aborted: set[tuple[str, int]] = set()
     step = 0
@@ -779,7 +813,8 @@ def run_random_workload(reqs: list[tuple[int, int, int, int, int]], num_blocks: 
                            ("drafts verified", stats.spec_num_drafts),
                            ("drafts accepted", stats.spec_num_accepted_tokens),
                            ("drafts rejected", stats.spec_num_draft_tokens - stats.spec_num_accepted_tokens),
-                           ("lookahead slots checked", h.runner.num_lookahead_checks)]:
+                           ("lookahead slots checked", h.runner.num_lookahead_checks),
+                           ("adapter slot refilled", h.sched.lora_slots.num_loads > max_loras)]:
         if happened:
             event(what)
     reference = reference_outputs(work)

@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu_worker.quantization.packed import QuantizedTensor
-
 
 class LinearMethod:
     """Unquantized weights: y = x W^T + b. Quantized and LoRA methods subclass this."""
@@ -23,7 +21,7 @@ class LinearMethod:
     def load_weight(self, layer: "Linear", param: str, tensor: torch.Tensor, shard: str) -> None:
         """Copy a checkpoint tensor into `param` ("weight" or "bias"), into the rows of `shard`.
         Methods whose checkpoints carry packed weights take those here instead."""
-        if isinstance(tensor, QuantizedTensor):
+        if not isinstance(tensor, torch.Tensor):     # a QuantizedTensor (quantization/packed.py)
             tensor = tensor.dequantize()
         target = getattr(layer, param)
         lo, hi = self.shard_rows(layer, param, shard, tuple(tensor.shape), tuple(target.shape[1:]))

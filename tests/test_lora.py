@@ -1,0 +1,237 @@
+"""LoRA without a served model: the --lora-modules forms, the check of PEFT folders (one clear error per
+problem), the scheduler's adapter registry and slots, the per-token delta against a per-token loop, and
+the worker's manager on a tiny model against the weights merged by hand."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.lora import LoRAError, LoRARequest, parse_lora_module, read_adapter
+from gpu_worker.lora.delta import LoRABatch, add_lora_torch
+from loadtest.lora_adapters import build_adapter
+from scheduler.lora_registry import LoRARegistry
+from scheduler.lora_slots import LoRASlots
+from tests.test_scheduler import Harness, fake_adapter, prompt
+
+pytestmark = pytest.mark.unit
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
+TARGETS = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
+           "gate_proj": (64, 128), "up_proj": (64, 128), "down_proj": (128, 64)}
+
+
+def hf_llama(hidden: int = HIDDEN, vocab: int = 96, layers: int = LAYERS, tie: bool = False):
+    import transformers as tf
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, tie_word_embeddings=tie)
+    return tf.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_llama()
+
+
+@pytest.fixture(scope="module")
+def adapter(hf, tmp_path_factory) -> Path:
+    return build_adapter(hf, tmp_path_factory.mktemp("lora") / "a", 8, ("q_proj", "v_proj", "down_proj"), seed=1)
+
+
+def edit_config(folder: Path, **changes) -> Path:
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def copy_adapter(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+# ---- --lora-modules ----------------------------------------------------------------------------
+def test_lora_modules_take_name_equals_path_and_vllm_json() -> None:
+    assert parse_lora_module("sql=/a/b") == LoRARequest("sql", 0, "/a/b")
+    assert parse_lora_module('{"name": "sql", "path": "/a", "base_model_name": "base"}') == \
+        LoRARequest("sql", 0, "/a", "base")
+    for bad in ("sql", "=/a", "sql=", '{"name": "x"}', '{"name": "x", "path": "/p", "rank": 8}', "{nope"):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            parse_lora_module(bad)
+
+
+# ---- checking a PEFT folder ----------------------------------------------------------------------
+def test_a_good_adapter_reports_rank_scaling_and_modules(adapter) -> None:
+    info = read_adapter(str(adapter), TARGETS, LAYERS, 16)
+    assert info.rank == 8 and info.scaling == pytest.approx(16 / 8)
+    assert len(info.modules) == 3 * LAYERS and "model.layers.1.mlp.down_proj" in info.modules
+
+
+def test_rslora_scales_by_the_square_root_of_the_rank(hf, tmp_path) -> None:
+    folder = build_adapter(hf, tmp_path / "rs", 16, ("q_proj",), alpha=8, use_rslora=True)
+    assert read_adapter(str(folder), TARGETS, LAYERS, 16).scaling == pytest.approx(8 / 4)
+
+
+@pytest.mark.parametrize("case, code, message", [
+    ("missing folder", 404, "does not exist"),
+    ("no config", 404, "no adapter_config.json"),
+    ("no weights", 404, "no adapter_model.safetensors"),
+    ("pickle weights", 404, "safe_serialization=True"),
+    ("rank above max", 400, "rank 8, above --max-lora-rank 4"),
+    ("dora", 400, "use_dora"),
+    ("bias", 400, "bias='all'"),
+])
+def test_each_bad_folder_gets_its_own_error(adapter, tmp_path, case, code, message) -> None:
+    folder, max_rank = copy_adapter(adapter, tmp_path / "copy"), 16
+    if case == "missing folder":
+        folder = tmp_path / "nowhere"
+    elif case == "no config":
+        (folder / "adapter_config.json").unlink()
+    elif case in ("no weights", "pickle weights"):
+        (folder / "adapter_model.safetensors").rename(folder / ("adapter_model.bin" if case == "pickle weights" else "x"))
+    elif case == "rank above max":
+        max_rank = 4
+    elif case == "dora":
+        edit_config(folder, use_dora=True)
+    elif case == "bias":
+        edit_config(folder, bias="all")
+    with pytest.raises(LoRAError, match=message) as e:
+        read_adapter(str(folder), TARGETS, LAYERS, max_rank)
+    assert e.value.code == code
+
+
+@pytest.mark.parametrize("target", ["embed_tokens", "lm_head"])
+def test_an_unsupported_target_is_named(hf, tmp_path, target) -> None:
+    folder = build_adapter(hf, tmp_path / target, 4, ("q_proj", target))
+    with pytest.raises(LoRAError, match=f"adapts '[^']*{target}[^']*'.* which pagedserve cannot adapt"):
+        read_adapter(str(folder), TARGETS, LAYERS, 16)
+
+
+def test_an_adapter_of_another_base_model_is_refused(tmp_path) -> None:
+    wider = build_adapter(hf_llama(hidden=96), tmp_path / "wide", 4, ("q_proj",))
+    with pytest.raises(LoRAError, match="trained for a different base model"):
+        read_adapter(str(wider), TARGETS, LAYERS, 16)
+    deeper = build_adapter(hf_llama(layers=3), tmp_path / "deep", 4, ("q_proj",))
+    with pytest.raises(LoRAError, match="for layer 2, but this model has 2 layers"):
+        read_adapter(str(deeper), TARGETS, LAYERS, 16)
+
+
+# ---- the registry --------------------------------------------------------------------------------
+def test_registry_names_are_unique_and_keys_never_reused(adapter) -> None:
+    reg = LoRARegistry(True, TARGETS, LAYERS, 16)
+    first = reg.load(LoRARequest("a", 0, str(adapter)))
+    with pytest.raises(LoRAError, match="already loaded") as e:
+        reg.load(LoRARequest("a", 0, str(adapter)))
+    assert e.value.code == 400 and e.value.param == "lora_name"
+    reg.unload("a")
+    with pytest.raises(LoRAError, match="not loaded") as e:
+        reg.unload("a")
+    assert e.value.code == 404
+    again = reg.load(LoRARequest("a", 0, str(adapter)))
+    assert again.key != first.key           # a worker's cached copy or a cached block of `first` never serves it
+
+
+def test_registry_resolves_names_and_loads_offline_requests_once(adapter) -> None:
+    reg = LoRARegistry(True, TARGETS, LAYERS, 16)
+    assert reg.resolve(None) is None
+    with pytest.raises(LoRAError, match="does not exist") as e:
+        reg.resolve(LoRARequest("nope"))
+    assert e.value.code == 404
+    offline = reg.resolve(LoRARequest("a", 7, str(adapter)))
+    assert reg.resolve(LoRARequest("a")) is offline and reg.resolve(LoRARequest("a", 7, str(adapter))) is offline
+    with pytest.raises(LoRAError, match="give each adapter its own name"):
+        reg.resolve(LoRARequest("a", 7, "/elsewhere"))
+    with pytest.raises(LoRAError, match="--enable-lora"):
+        LoRARegistry(False, TARGETS, LAYERS, 16).resolve(LoRARequest("a", 1, str(adapter)))
+
+
+# ---- slots ---------------------------------------------------------------------------------------
+def test_slots_are_least_recently_used_and_never_evict_the_steps_own() -> None:
+    slots = LoRASlots(2)
+    a, b, c = fake_adapter(1), fake_adapter(2), fake_adapter(3)
+    assert slots.place(a, set()) == (0, 1, a.path)
+    assert slots.place(b, set()) == (1, 2, b.path)
+    assert slots.place(a, set()) is None                     # resident: nothing to send; a is now the newest
+    assert slots.place(c, set()) == (1, 3, c.path)           # b was the least recently used
+    step: set[int] = set()
+    slots.place(c, step)
+    assert slots.place(b, step) == (0, 2, b.path)            # a is evicted, not c, which this step uses
+    with pytest.raises(RuntimeError, match="more than max_loras"):
+        slots.place(a, step)
+
+
+def test_admission_keeps_at_most_max_loras_adapters_running() -> None:
+    keys: set[int] = set()
+    assert LoRASlots.admits(None, keys, 1) and not keys
+    assert LoRASlots.admits(fake_adapter(1), keys, 1) and keys == {1}
+    assert LoRASlots.admits(fake_adapter(1), keys, 1)
+    assert not LoRASlots.admits(fake_adapter(2), keys, 1) and keys == {1}
+
+
+def test_one_slot_serves_two_adapters_by_swapping_between_steps() -> None:
+    """--max-loras 1: every step runs one adapter (plus base-model sequences); the slot is refilled when
+    the other adapter's turn comes, and every request is served in full."""
+    h = Harness(block_size=4, num_blocks=64, max_loras=1)
+    a, b = fake_adapter(1), fake_adapter(2)
+    for i, lora in enumerate([a, b, a, None, b]):
+        h.add(f"r{i}", prompt(i, 6), lora=lora, max_tokens=5, ignore_eos=True)
+    results = h.run()
+    adapters_per_step = [{h.runner.reqs_lora[s] for s in h.step_seq_ids(x)} - {0} for x in h.steps]
+    assert all(len(k) <= 1 for k in adapters_per_step)
+    assert {1} in adapters_per_step and {2} in adapters_per_step
+    loads = [ld for x in h.steps for ld in x.lora_loads]
+    assert [(slot, key) for slot, key, _ in loads] == [(0, 1), (0, 2)]
+    assert all(len(r.tokens) == 5 and r.finish_reason == "length" for r in results.values())
+    base_steps = [i for i, x in enumerate(h.steps) if "r3" in h.step_seq_ids(x)]
+    assert base_steps[0] == 0, "the base-model request does not wait for a slot"
+
+
+def test_prefix_blocks_are_shared_within_an_adapter_only() -> None:
+    p = prompt(7, 12)
+    h = Harness(block_size=4, num_blocks=64, max_loras=2)
+    a, b = fake_adapter(1), fake_adapter(2)
+    h.add("first", p, lora=a, max_tokens=2)
+    h.run()
+    for rid, lora in [("same", a), ("other", b), ("base", None)]:
+        h.add(rid, p, lora=lora, max_tokens=2)
+        h.run()
+    cached = {rid: r.num_cached_tokens for (rid, _), r in h.results.items()}
+    assert cached == {"first": 0, "same": 8, "other": 0, "base": 0}
+
+
+# ---- the delta -----------------------------------------------------------------------------------
+def per_token_delta(x, a, bs, ranges, slots) -> torch.Tensor:
+    """The definition, one token at a time: y_t[shard j] = B_j[slot_t]^T-ish (A_j[slot_t] @ x_t)."""
+    out = torch.zeros(x.shape[0], ranges[-1][1], dtype=torch.float64)
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        for j, (lo, hi) in enumerate(ranges):
+            h = a[j, s].double() @ x[t].double()
+            out[t, lo:hi] = h @ bs[j][s].double()
+    return out
+
+
+def random_slots_layer(num_slots: int = 3, rank: int = 8, k: int = 40, outs: tuple[int, ...] = (24, 8, 8)):
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(len(outs), num_slots, rank, k, generator=g)
+    bs = [torch.randn(num_slots, rank, n, generator=g) for n in outs]
+    starts = [sum(outs[:j]) for j in range(len(outs))]
+    return a, bs, [(lo, lo + n) for lo, n in zip(starts, outs)]
+
+
+def test_masked_dense_delta_equals_the_per_token_definition() -> None:
+    a, bs, ranges = random_slots_layer()
+    x = torch.randn(9, a.shape[-1])
+    slots = torch.tensor([0, -1, 2, 1, 1, -1, 0, 2, 2])
+    base = torch.randn(9, ranges[-1][1])
+    batch = LoRABatch.build(slots, a.shape[1], a.shape[2], torch.float32)
+    y = add_lora_torch(base.clone(), x, a, bs, ranges, batch.mask)
+    torch.testing.assert_close(y.double(), base.double() + per_token_delta(x, a, bs, ranges, slots),
+                               rtol=1e-5, atol=1e-4)
+    assert torch.equal(y[1], base[1]) and torch.equal(y[5], base[5])    # base-model rows: untouched
