@@ -61,6 +61,24 @@ class AdapterInfo:
     modules: tuple[str, ...]
 
 
+def check_lora_config(enable_lora: bool, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
+                      lora_modules: list[str] | None) -> None:
+    """The LoRA engine options, checked once wherever an engine starts (CLI, LLM, processes)."""
+    if lora_modules and not enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    if max_cpu_loras is not None and max_cpu_loras < max_loras:
+        raise ValueError(f"--max-cpu-loras ({max_cpu_loras}) must be at least --max-loras ({max_loras})")
+    names: set[str] = set()
+    for spec in lora_modules or []:
+        name = parse_lora_module(spec).lora_name
+        if name in names:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        names.add(name)
+
+
 def parse_lora_module(spec: str) -> LoRARequest:
     """One `--lora-modules` entry: `name=path`, or vLLM's JSON `{"name", "path", "base_model_name"}`."""
     spec = spec.strip()
@@ -93,7 +111,12 @@ def read_adapter(path: str, targets: LoRATargets, num_layers: int, max_rank: int
         raise LoRAError(f"the LoRA adapter path {path!r} does not exist or is not a folder", 404)
     if not (folder / CONFIG_FILE).is_file():
         raise LoRAError(f"no {CONFIG_FILE} in {path!r}: not a PEFT adapter folder", 404)
-    cfg = json.loads((folder / CONFIG_FILE).read_text())
+    try:
+        cfg = json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoRAError(f"{CONFIG_FILE} of {path!r} cannot be read: {e}") from None
+    if not isinstance(cfg, dict):
+        raise LoRAError(f"{CONFIG_FILE} of {path!r} is not a JSON object")
     rank, scaling = _rank_and_scaling(cfg, max_rank, path)
     shapes = _tensor_shapes(folder)
     modules = _check_tensors(shapes, targets, num_layers, rank)
@@ -109,11 +132,13 @@ def _rank_and_scaling(cfg: dict[str, Any], max_rank: int, path: str) -> tuple[in
     if set_options:
         raise LoRAError(f"the adapter {path!r} uses {', '.join(set_options)}, which pagedserve does not support")
     rank = cfg.get("r")
-    if not isinstance(rank, int) or rank < 1:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise LoRAError(f"{CONFIG_FILE} of {path!r} has no valid rank r ({rank!r})")
     if rank > max_rank:
         raise LoRAError(f"the adapter {path!r} has rank {rank}, above --max-lora-rank {max_rank}")
     alpha = cfg.get("lora_alpha", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise LoRAError(f"{CONFIG_FILE} of {path!r} has no valid lora_alpha ({alpha!r})")
     return rank, alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
 
 
@@ -124,8 +149,11 @@ def _tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
             if (folder / "adapter_model.bin").is_file() else ""
         raise LoRAError(f"no {WEIGHTS_FILE} in {str(folder)!r}{other}", 404)
     from safetensors import safe_open
-    with safe_open(str(weights), framework="numpy") as f:
-        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    try:
+        with safe_open(str(weights), framework="numpy") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:      # safetensors raises its own error types for a damaged header
+        raise LoRAError(f"{WEIGHTS_FILE} of {str(folder)!r} cannot be read: {e}") from None
 
 
 def _check_tensors(shapes: dict[str, tuple[int, ...]], targets: LoRATargets, num_layers: int,

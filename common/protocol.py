@@ -106,7 +106,7 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not (self.new_seqs or self.cached_seqs or self.finished_seq_ids or self.blocks_to_swap_out
-                    or self.blocks_to_swap_in or self.blocks_to_copy)
+                    or self.blocks_to_swap_in or self.blocks_to_copy or self.lora_loads)
 
 
 @dataclass
@@ -118,6 +118,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[Logprob | None]] = field(default_factory=dict)   # seq_id -> records
     # sampled_token_ids[i] holds 1 token, or 1 + the accepted drafts of a step that verified some.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)   # seq_id -> drafts for its next step
+    lora_errors: dict[int, str] = field(default_factory=dict)   # adapter key -> why this worker could not load it
     error: str | None = None
 
 
@@ -174,6 +175,8 @@ class WorkerInfo:
     weight_bytes: int = 0        # parameters and packed weights resident on this worker
     num_layers: int = 0
     lora_targets: dict[str, tuple[int, int]] = field(default_factory=dict)   # with --enable-lora: common/lora.py
+    max_loras: int = 0           # adapter slots (0: LoRA off on this worker)
+    max_lora_rank: int = 0
 
 
 @dataclass

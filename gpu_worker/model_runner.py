@@ -87,7 +87,9 @@ class ModelRunner:
         return WorkerInfo(num_blocks=num_blocks, num_host_blocks=num_host, max_model_len=self.max_model_len,
                           vocab_size=self.model_config.vocab_size, block_bytes=self.block_bytes(),
                           weight_bytes=weight_bytes(self.model), num_layers=self.model_config.num_layers,
-                          lora_targets=self.lora.targets if self.lora else {})
+                          lora_targets=self.lora.targets if self.lora else {},
+                          max_loras=self.lora.max_loras if self.lora else 0,
+                          max_lora_rank=self.lora.max_rank if self.lora else 0)
 
     def _calibrate_kv_scales_on_first_step(self) -> None:
         """Every attention layer (draft model's included) takes its fp8 scales from the first real step,
@@ -150,10 +152,12 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Apply the step's deltas, run the scheduled tokens and sample; the only state change after the
         forward pass is appending each sequence's sampled token."""
-        self._apply_deltas(sched)
+        out = ModelRunnerOutput(step_id=sched.step_id)
+        self._apply_deltas(sched, out)
         scheduled = [(r.seq_id, r.num_new_tokens) for r in sched.new_seqs] + \
                     [(r.seq_id, r.num_new_tokens) for r in sched.cached_seqs]
-        out = ModelRunnerOutput(step_id=sched.step_id)
+        if self.lora is not None:     # each adapter's rows in one run (lora/delta.py); outputs name their sequence
+            scheduled.sort(key=lambda s: self.seqs[s[0]].lora_id)
         if not scheduled:
             return out
         inputs = build_step_inputs(self.seqs, scheduled, self.block_size, self.device)
@@ -222,7 +226,7 @@ class ModelRunner:
     def _trim(recs: list[Logprob], k: int) -> list[Logprob]:
         return [(c, r, ti[:k], tv[:k]) for c, r, ti, tv in recs]
 
-    def _apply_deltas(self, sched: SchedulerOutput) -> None:
+    def _apply_deltas(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
         for seq_id in sched.finished_seq_ids:
             self.seqs.pop(seq_id, None)
         if sched.blocks_to_swap_out:
@@ -234,7 +238,7 @@ class ModelRunner:
         if sched.lora_loads:
             if self.lora is None:
                 raise RuntimeError("the scheduler sent LoRA adapters to a worker started without --enable-lora")
-            self.lora.load(sched.lora_loads)
+            out.lora_errors = self.lora.load(sched.lora_loads)
         for r in sched.new_seqs:
             self.seqs[r.seq_id] = SequenceState.from_new(r, self.device)
         for r in sched.cached_seqs:

@@ -91,7 +91,7 @@ class StepInputs:
     sample_seq_ids: list[str]               # sequences that sample this step, in row order
     num_samples: list[int]                  # logits rows per sampling sequence: 1, or k + 1 with k drafts
     prompt_logprobs: dict[str, PromptLogprobRows]
-    lora_ids: torch.Tensor | None = None    # [T] adapter slot per row; None when all run the base model
+    lora_ids: torch.Tensor | None = None    # [T] adapter key per row, on the CPU; None when all run the base model
 
     def sampling_states(self, states: dict[str, SequenceState]) -> list[SequenceState]:
         """The state behind each logits row. A sequence with drafts owns k + 1 consecutive rows; row j sees
@@ -157,7 +157,7 @@ def build_step_inputs(states: dict[str, SequenceState], scheduled: list[tuple[st
         logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=device),
         sample_seq_ids=sample_ids, num_samples=num_samples,
         prompt_logprobs=_prompt_logprob_rows(states, scheduled, qsl, device),
-        lora_ids=torch.tensor(lora, device=device)[seq_idx.to(device)] if any(lora) else None)
+        lora_ids=torch.tensor(lora)[seq_idx] if any(lora) else None)
 
 
 def decode_inputs(tables: list[list[int]], positions: list[int], token_ids: list[int], block_size: int,

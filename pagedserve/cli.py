@@ -11,7 +11,7 @@ import time
 from typing import Any, TypeVar
 
 from common.config import KV_CACHE_DTYPES, QUANTIZATION_ALIASES, QUANTIZATION_METHODS, EngineConfig
-from common.lora import parse_lora_module
+from common.lora import check_lora_config
 from common.speculative import SpeculativeConfig
 from pagedserve.engine_processes import EngineProcesses, wait_all
 from router.config import API_KEY_ENV, DEFAULT_FRONTEND, RouterConfig
@@ -165,22 +165,10 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
 def _check_lora_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not hasattr(args, "enable_lora"):
         return
-    if args.lora_modules and not args.enable_lora:
-        parser.error("--lora-modules needs --enable-lora")
-    for name in ("max_loras", "max_lora_rank"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
-        parser.error(f"--max-cpu-loras ({args.max_cpu_loras}) must be at least --max-loras ({args.max_loras})")
-    names: set[str] = set()
-    for spec in args.lora_modules or []:
-        try:
-            name = parse_lora_module(spec).lora_name
-        except ValueError as e:
-            parser.error(str(e))
-        if name in names:
-            parser.error(f"--lora-modules names {name!r} twice")
-        names.add(name)
+    try:
+        check_lora_config(args.enable_lora, args.max_loras, args.max_lora_rank, args.max_cpu_loras, args.lora_modules)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def main(argv: list[str] | None = None) -> None:

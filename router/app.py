@@ -222,7 +222,7 @@ def auth_middleware(api_key: str) -> Callable:
 # ---- app -------------------------------------------------------------------------------------------
 def build_app(client: EngineClient, tokenizer: Any, model_name: str, *, api_key: str | None = None,
               max_body_bytes: int = RouterConfig.max_body_bytes, vocab_size: int, model_root: str | None = None,
-              max_model_len: int | None = None) -> web.Application:
+              max_model_len: int | None = None, allow_lora_updates: bool = False) -> web.Application:
     """The router's aiohttp app. The caller owns `client` (starts and closes it); `max_model_len` is only a
     fallback for before the scheduler's first Stats, which carry the real value."""
     middlewares = [errors_middleware] + ([auth_middleware(api_key)] if api_key else [])
@@ -233,7 +233,7 @@ def build_app(client: EngineClient, tokenizer: Any, model_name: str, *, api_key:
     app.router.add_post("/v1/completions", generation_handler(CompletionAPI()))
     app.router.add_post("/v1/chat/completions", generation_handler(ChatAPI()))
     app.router.add_get("/v1/models", models)
-    add_lora_routes(app, lambda request: request.app[STATE].client)
+    add_lora_routes(app, lambda request: request.app[STATE].client, allow_lora_updates)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

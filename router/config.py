@@ -10,9 +10,13 @@ value to its routers (the API key: never on argv, where `ps` would show it).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
+# vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter, off by default there and here: they
+# make the server read folders a client names
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 DEFAULT_FRONTEND = "tcp://127.0.0.1:5557"      # the scheduler's router-facing (frontend) socket
 
 
@@ -28,3 +32,7 @@ class RouterConfig:
     max_body_bytes: int = 16 << 20            # nginx's client_max_body_size (docker/nginx.conf) matches it
     shutdown_timeout: float = 30.0            # seconds in-flight requests get to finish on SIGTERM
     access_log: bool = False
+
+
+def runtime_lora_updating_allowed() -> bool:
+    return os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true", "yes", "on")

@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from common.lora import LoRARequest
+from router.config import RUNTIME_LORA_ENV
 from router.engine_client import EngineClient, EngineDead, EngineRejected
 from router.openai_protocol import APIError, bad, decode_json_body
 
@@ -24,15 +25,18 @@ def adapter_cards(client: EngineClient, base_name: str, created: int) -> list[di
             for name, path, parent in values.get("lora_adapters", [])]
 
 
-def add_lora_routes(app: web.Application, client_of: Any) -> None:
-    """`client_of(request)` -> the app's EngineClient."""
+def add_lora_routes(app: web.Application, client_of: Any, allowed: bool) -> None:
+    """`client_of(request)` -> the app's EngineClient. Unless `allowed` (RUNTIME_LORA_ENV is set) both
+    endpoints answer 404 saying how to turn them on, as vLLM leaves them out."""
     async def load(request: web.Request) -> web.Response:
+        _require(allowed)
         body = await _body(request, {"lora_name", "lora_path"})
         name, path = _field(body, "lora_name"), _field(body, "lora_path")
         await _forward(client_of(request).load_lora(_control_id(), LoRARequest(name, 0, path)))
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload(request: web.Request) -> web.Response:
+        _require(allowed)
         body = await _body(request, {"lora_name", "lora_int_id"})
         name = _field(body, "lora_name")
         await _forward(client_of(request).unload_lora(_control_id(), name))
@@ -40,6 +44,12 @@ def add_lora_routes(app: web.Application, client_of: Any) -> None:
 
     app.router.add_post("/v1/load_lora_adapter", load)
     app.router.add_post("/v1/unload_lora_adapter", unload)
+
+
+def _require(allowed: bool) -> None:
+    if not allowed:
+        raise APIError(404, f"loading and unloading LoRA adapters at run time is off; start the server with "
+                            f"{RUNTIME_LORA_ENV}=True in its environment (as vLLM) to allow it")
 
 
 async def _body(request: web.Request, known: set[str]) -> dict[str, Any]:

@@ -73,6 +73,21 @@ class EngineStatsCollector:
         for pos, count in enumerate(values.get("spec_accepted_per_pos") or []):
             per_pos.add_metric([self.model_name, str(pos)], float(count))
         yield per_pos
+        if values.get("max_lora"):
+            yield from self._lora(values)
+
+    def _lora(self, values: dict[str, Any]) -> Iterator[Metric]:
+        """vLLM's lora_requests_info (adapter names in labels, the time as value), and requests per adapter."""
+        info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running and waiting LoRA adapters.",
+                                 labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        info.add_metric([",".join(values.get("lora_running", [])), ",".join(values.get("lora_waiting", [])),
+                         str(values["max_lora"])], time.time())
+        yield info
+        per = CounterMetricFamily(PREFIX + "lora_requests", "Requests accepted per LoRA adapter.",
+                                  labels=["model_name", "lora_name"])
+        for name, count in sorted((values.get("lora_requests") or {}).items()):
+            per.add_metric([self.model_name, name], float(count))
+        yield per
 
     describe = collect
 

@@ -15,7 +15,7 @@ from aiohttp import web
 from common.model_source import ModelSource
 from common.protocol import HEARTBEAT_S
 from router.app import ABORT_GRACE_S, STATE, build_app, drain
-from router.config import RouterConfig
+from router.config import RouterConfig, runtime_lora_updating_allowed
 from router.engine_client import EngineClient
 
 log = logging.getLogger("pagedserve.router")
@@ -40,7 +40,8 @@ async def _serve(config: RouterConfig) -> None:
     # while its siblings serve. An engine still starting sends nothing for a while: bind anyway.
     await client.wait_for_stats(3 * HEARTBEAT_S)
     app = build_app(client, tokenizer, config.served_model_name or source.name, api_key=config.api_key,
-                    max_body_bytes=config.max_body_bytes, vocab_size=vocab_size, model_root=str(source.path))
+                    max_body_bytes=config.max_body_bytes, vocab_size=vocab_size, model_root=str(source.path),
+                    allow_lora_updates=runtime_lora_updating_allowed())
     runner = await _start_site(app, config)
     log.info("router %s serving %s on http://%s:%s", client.client_id, app[STATE].model_name, config.host,
              config.port)

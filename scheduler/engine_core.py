@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 
 from common.config import EngineConfig
-from common.lora import LoRAError, LoRARequest, parse_lora_module
-from common.protocol import EngineOutput, EngineRequest
+from common.lora import LoRAError, LoRARequest, check_lora_config, parse_lora_module
+from common.protocol import EngineOutput, EngineRequest, ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from scheduler.admission import RequestRejected
 from scheduler.executor import Executor
 from scheduler.config import SchedulerConfig
@@ -20,7 +20,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor, eos_token_ids: list[int]):
         self.config = config
         self.executor = executor
+        check_lora_config(config.enable_lora, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                          config.lora_modules)
         info = executor.initialize(eos_token_ids)
+        _check_workers_lora(config, info)
         self.max_model_len = info.max_model_len
         self.num_blocks = info.num_blocks
         self.scheduler = Scheduler(SchedulerConfig.from_engine(config, info), eos_token_ids)
@@ -62,8 +65,25 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        result = self.executor.execute(sched)
+        return self.update_from_output(sched, self.executor.execute(sched))
+
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineOutput]:
+        """The scheduler's outputs for a step's result; an adapter a worker could not load is no longer
+        served (its name answers 404 until it is loaded again)."""
+        for key, error in result.lora_errors.items():
+            adapter = self.loras.drop_key(key)
+            log.error("LoRA adapter %r is no longer served: %s", adapter.name if adapter else key, error)
         return self.scheduler.update_from_output(sched, result)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _check_workers_lora(config: EngineConfig, info: WorkerInfo) -> None:
+    """Scheduler and workers started with different LoRA flags (separate processes) would fail every step
+    that uses an adapter: refuse to start instead."""
+    want = (config.max_loras, config.max_lora_rank) if config.enable_lora else (0, 0)
+    got = (info.max_loras, info.max_lora_rank)
+    if want != got:
+        raise RuntimeError(f"the workers run with LoRA (max_loras, max_lora_rank) = {got} but the scheduler with "
+                           f"{want}: start every process with the same --enable-lora/--max-loras/--max-lora-rank")

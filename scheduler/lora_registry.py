@@ -48,6 +48,13 @@ class LoRARegistry:
         if self.by_name.pop(name, None) is None:
             raise LoRAError(f"the LoRA adapter {name!r} is not loaded", 404, "lora_name")
 
+    def drop_key(self, key: int) -> LoRAAdapter | None:
+        """Stop serving the adapter registered under `key` (a worker cannot load it), if it still is."""
+        adapter = next((a for a in self.by_name.values() if a.key == key), None)
+        if adapter is not None:
+            del self.by_name[adapter.name]
+        return adapter
+
     def resolve(self, req: LoRARequest | None) -> LoRAAdapter | None:
         """The adapter a request runs under. A name alone must be loaded (404 otherwise); a name with a
         folder (the offline API) is loaded on first use, and must keep naming the same folder."""

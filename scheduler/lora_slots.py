@@ -46,3 +46,7 @@ class LoRASlots:
         self.slot_of[adapter.key] = slot
         self.num_loads += 1
         return slot, adapter.key, adapter.path
+
+    def forget(self, key: int) -> None:
+        """The adapter is in no slot (a worker failed to load it): a later use loads it afresh."""
+        self.slot_of.pop(key, None)

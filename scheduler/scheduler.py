@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from common.protocol import (CachedSequenceData, EngineOutput, EngineRequest, ModelRunnerOutput,
                              NewSequenceData, SchedulerOutput)
@@ -20,25 +19,7 @@ from scheduler.lora_registry import LoRAAdapter
 from scheduler.lora_slots import LoRASlots
 from scheduler.sequence import Sequence, Status
 from scheduler.sequence_group import SequenceGroup
-
-
-@dataclass
-class SchedulerStats:
-    num_preemptions: int = 0
-    num_swap_preemptions: int = 0
-    num_recompute_preemptions: int = 0
-    prefix_cache_queries: int = 0        # prompt tokens looked up
-    prefix_cache_hits: int = 0           # prompt tokens found
-    prompt_tokens: int = 0               # prompt tokens computed
-    generation_tokens: int = 0
-    admission_rejections: int = 0
-    num_steps: int = 0                   # steps that ran something
-    num_step_seqs: int = 0               # sequences over those steps: / num_steps = the mean batch
-    spec_num_drafts: int = 0             # steps of a sequence that verified drafts
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_pos: list[int] = field(default_factory=list)   # [i]: steps that accepted draft i
-    finished: dict[str, int] = field(default_factory=dict)
+from scheduler.stats import SchedulerStats
 
 
 class Scheduler:
@@ -167,15 +148,15 @@ class Scheduler:
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int, lora_keys: set[int]) -> None:
-        """Start waiting sequences in order; one whose adapter cannot have a slot beside the running
-        ones' keeps its place while those behind it may start."""
+        """Start waiting sequences in order; one whose adapter cannot have a slot beside the running ones'
+        keeps its place, and only base-model sequences behind it may start."""
         num_seqs = self._num_running_seqs()
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and self._may_start(self.waiting[0], num_seqs):
             seq = self.waiting[0]
-            if not LoRASlots.admits(seq.lora, lora_keys, self.config.max_loras):
-                skipped.append(self.waiting.popleft())
-                continue
+            if seq.lora is not None and (skipped or not LoRASlots.admits(seq.lora, lora_keys, self.config.max_loras)):
+                skipped.append(self.waiting.popleft())   # behind a skipped one, no adapter starts: the
+                continue                                 # running adapters drain and its turn comes
             hits = self.kv.get_computed_blocks(seq)
             num_hit = len(hits) * self.config.block_size
             seq.num_computed_tokens = num_hit
@@ -296,7 +277,7 @@ class Scheduler:
     # ---- results -------------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineOutput]:
         """Append sampled tokens, apply stop conditions, fork n > 1 siblings, and report per sequence."""
-        outs = []
+        outs = [eo for key, error in result.lora_errors.items() for eo in self.fail_adapter(key, error)]
         max_len = self.config.max_model_len
         for k, seq_id in enumerate(result.seq_ids):
             seq = self.seqs.get(seq_id)
@@ -326,6 +307,14 @@ class Scheduler:
                 outs.append(EngineOutput(seq.request_id, seq.index, [], prompt_logprobs=plp,
                                          num_prompt_tokens=seq.num_prompt_tokens))
         return outs
+
+    def fail_adapter(self, key: int, error: str) -> list[EngineOutput]:
+        """A worker could not load adapter `key`: end every request under it with `error` (the rest of the
+        batch ran normally) and forget its slot."""
+        self.lora_slots.forget(key)
+        rids = sorted({s.request_id for s in self.seqs.values() if s.lora is not None and s.lora.key == key})
+        return [EngineOutput(o.request_id, o.index, [], finish_reason="error", error=error)
+                for o in self.abort_requests(rids)]
 
     def _settle_drafts(self, seq: Sequence, num_sampled: int) -> None:
         """Roll back the lookahead slots of rejected drafts: their KV is overwritten by the next step, and

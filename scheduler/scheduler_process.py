@@ -87,7 +87,7 @@ class SchedulerProcess:
             result = self.executor.poll_result(timeout_ms=5)
         sched = self.inflight.pop(0)
         assert result.step_id == sched.step_id, "workers answer steps in order"
-        self._route(self.sched.update_from_output(sched, result))
+        self._route(self.core.update_from_output(sched, result))
 
     def _warm_up(self) -> None:
         """One tiny request through the whole path before /ready turns green."""
@@ -136,6 +136,9 @@ class SchedulerProcess:
         """Load or unload an adapter. On success every router gets fresh Stats before this one gets its Ack,
         so its /v1/models already shows the change when its HTTP call returns."""
         ack = Ack(msg.request_id)
+        if self.dead or self.stopping:
+            ack.code, ack.error = 503, self.dead or "the engine is stopping"
+            return ack
         try:
             if isinstance(msg, LoadLoRA):
                 adapter = self.core.load_lora(msg.lora)
@@ -210,10 +213,10 @@ class SchedulerProcess:
         loras = self.core.loras
         if not loras.enabled:
             return {}
-        names = lambda seqs: sorted({s.lora.name for s in seqs if s.lora is not None})   # noqa: E731
         return {"max_lora": self.sched.config.max_loras,
                 "lora_adapters": [[a.name, a.path, a.parent] for a in loras.by_name.values()],
-                "lora_running": names(self.sched.running), "lora_waiting": names(self.sched.waiting),
+                "lora_running": _adapter_names(self.sched.running),
+                "lora_waiting": _adapter_names([*self.sched.waiting, *self.sched.swapped]),
                 "lora_requests": dict(loras.requests)}
 
     def _log_stats(self, now: float) -> None:
@@ -241,6 +244,10 @@ class SchedulerProcess:
         self.executor.shutdown()
         self.front.close(0)
         self.ctx.term()
+
+
+def _adapter_names(seqs) -> list[str]:
+    return sorted({s.lora.name for s in seqs if s.lora is not None})
 
 
 def run_scheduler(config: EngineConfig, frontend: str, workers: str, num_workers: int = 1) -> None:

@@ -9,9 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.lora import LoRAError, LoRARequest, parse_lora_module, read_adapter
+from common.config import EngineConfig
+from common.lora import LoRAError, LoRARequest, check_lora_config, parse_lora_module, read_adapter
+from common.protocol import WorkerInfo
 from gpu_worker.lora.delta import LoRABatch, add_lora_torch
 from loadtest.lora_adapters import build_adapter
+from scheduler.engine_core import EngineCore
 from scheduler.lora_registry import LoRARegistry
 from scheduler.lora_slots import LoRASlots
 from tests.test_scheduler import Harness, fake_adapter, prompt
@@ -85,6 +88,10 @@ def test_rslora_scales_by_the_square_root_of_the_rank(hf, tmp_path) -> None:
     ("rank above max", 400, "rank 8, above --max-lora-rank 4"),
     ("dora", 400, "use_dora"),
     ("bias", 400, "bias='all'"),
+    ("malformed config", 400, "adapter_config.json of .* cannot be read"),
+    ("config not an object", 400, "is not a JSON object"),
+    ("alpha null", 400, "no valid lora_alpha"),
+    ("damaged weights", 400, "adapter_model.safetensors of .* cannot be read"),
 ])
 def test_each_bad_folder_gets_its_own_error(adapter, tmp_path, case, code, message) -> None:
     folder, max_rank = copy_adapter(adapter, tmp_path / "copy"), 16
@@ -100,6 +107,14 @@ def test_each_bad_folder_gets_its_own_error(adapter, tmp_path, case, code, messa
         edit_config(folder, use_dora=True)
     elif case == "bias":
         edit_config(folder, bias="all")
+    elif case == "malformed config":
+        (folder / "adapter_config.json").write_text('{"r": 8,')
+    elif case == "config not an object":
+        (folder / "adapter_config.json").write_text("[8]")
+    elif case == "alpha null":
+        edit_config(folder, lora_alpha=None)
+    elif case == "damaged weights":
+        (folder / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(LoRAError, match=message) as e:
         read_adapter(str(folder), TARGETS, LAYERS, max_rank)
     assert e.value.code == code
@@ -119,6 +134,26 @@ def test_an_adapter_of_another_base_model_is_refused(tmp_path) -> None:
     deeper = build_adapter(hf_llama(layers=3), tmp_path / "deep", 4, ("q_proj",))
     with pytest.raises(LoRAError, match="for layer 2, but this model has 2 layers"):
         read_adapter(str(deeper), TARGETS, LAYERS, 16)
+
+
+def test_lora_options_are_checked_wherever_an_engine_starts() -> None:
+    check_lora_config(True, 2, 16, None, ["a=/a", "b=/b"])
+    for args, words in [((False, 1, 16, None, ["a=/a"]), "needs --enable-lora"),
+                        ((True, 0, 16, None, None), "--max-loras must be a positive integer"),
+                        ((True, 1, 0, None, None), "--max-lora-rank must be a positive integer"),
+                        ((True, 4, 16, 2, None), "--max-cpu-loras \\(2\\) must be at least --max-loras \\(4\\)"),
+                        ((True, 2, 16, None, ["a=/a", "a=/b"]), "names 'a' twice")]:
+        with pytest.raises(ValueError, match=words):
+            check_lora_config(*args)
+
+
+def test_scheduler_and_workers_with_different_lora_flags_refuse_to_start() -> None:
+    class Workers:
+        def initialize(self, eos):
+            return WorkerInfo(num_blocks=8, num_host_blocks=0, max_model_len=64, vocab_size=96, block_bytes=1,
+                              max_loras=1, max_lora_rank=16)
+    with pytest.raises(RuntimeError, match=r"workers run with LoRA .* \(1, 16\) but the scheduler with \(4, 16\)"):
+        EngineCore(EngineConfig(enable_lora=True, max_loras=4), Workers(), [])
 
 
 # ---- the registry --------------------------------------------------------------------------------
@@ -185,10 +220,30 @@ def test_one_slot_serves_two_adapters_by_swapping_between_steps() -> None:
     assert all(len(k) <= 1 for k in adapters_per_step)
     assert {1} in adapters_per_step and {2} in adapters_per_step
     loads = [ld for x in h.steps for ld in x.lora_loads]
-    assert [(slot, key) for slot, key, _ in loads] == [(0, 1), (0, 2)]
+    # first come, first served across adapters: r0 (a), r1 (b), r2 (a), r4 (b), the slot refilled each time
+    assert [(slot, key) for slot, key, _ in loads] == [(0, 1), (0, 2), (0, 1), (0, 2)]
     assert all(len(r.tokens) == 5 and r.finish_reason == "length" for r in results.values())
     base_steps = [i for i, x in enumerate(h.steps) if "r3" in h.step_seq_ids(x)]
     assert base_steps[0] == 0, "the base-model request does not wait for a slot"
+
+
+def test_a_waiting_adapter_is_not_starved_by_a_stream_of_another() -> None:
+    """--max-loras 1, adapter A's requests keep arriving: B's request, once skipped, stops further A requests
+    from starting, so the running A's drain and B runs before the A's that arrived after it."""
+    h = Harness(block_size=4, num_blocks=256, max_loras=1, max_num_seqs=4)
+    a, b = fake_adapter(1), fake_adapter(2)
+    h.add("a0", prompt(0, 6), lora=a, max_tokens=6, ignore_eos=True)
+    h.step()
+    h.add("b", prompt(1, 6), lora=b, max_tokens=3, ignore_eos=True)
+    for i in range(1, 40):                  # one more A request every step
+        h.add(f"a{i}", prompt(i + 1, 6), lora=a, max_tokens=6, ignore_eos=True)
+        h.step()
+        if h.results.get(("b", 0)) and h.results[("b", 0)].finish_reason:
+            break
+    assert h.results[("b", 0)].finish_reason == "length", "b never ran"
+    started_after_b = [rid for rid in h.runner.reqs_lora if rid.startswith("a") and rid != "a0"]
+    assert not started_after_b, f"A requests that arrived after b started before it: {started_after_b}"
+    h.run()
 
 
 def test_prefix_blocks_are_shared_within_an_adapter_only() -> None:
@@ -206,32 +261,36 @@ def test_prefix_blocks_are_shared_within_an_adapter_only() -> None:
 
 # ---- the delta -----------------------------------------------------------------------------------
 def per_token_delta(x, a, bs, ranges, slots) -> torch.Tensor:
-    """The definition, one token at a time: y_t[shard j] = B_j[slot_t]^T-ish (A_j[slot_t] @ x_t)."""
+    """The definition, one token at a time: y_t[shard j] = (A_j[slot_t] @ x_t) @ B_j[slot_t]."""
     out = torch.zeros(x.shape[0], ranges[-1][1], dtype=torch.float64)
     for t, s in enumerate(slots.tolist()):
         if s < 0:
             continue
         for j, (lo, hi) in enumerate(ranges):
-            h = a[j, s].double() @ x[t].double()
+            h = a[s, j].double() @ x[t].double()
             out[t, lo:hi] = h @ bs[j][s].double()
     return out
 
 
 def random_slots_layer(num_slots: int = 3, rank: int = 8, k: int = 40, outs: tuple[int, ...] = (24, 8, 8)):
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(len(outs), num_slots, rank, k, generator=g)
+    a = torch.randn(num_slots, len(outs), rank, k, generator=g)
     bs = [torch.randn(num_slots, rank, n, generator=g) for n in outs]
     starts = [sum(outs[:j]) for j in range(len(outs))]
     return a, bs, [(lo, lo + n) for lo, n in zip(starts, outs)]
 
 
-def test_masked_dense_delta_equals_the_per_token_definition() -> None:
+@pytest.mark.parametrize("slots", [[0, -1, 2, 1, 1, -1, 0, 2, 2],      # any order: many short runs
+                                   [-1, -1, 0, 0, 0, 1, 2, 2, 2]])    # ordered by adapter: one run each
+def test_the_run_by_run_delta_equals_the_per_token_definition(slots) -> None:
     a, bs, ranges = random_slots_layer()
     x = torch.randn(9, a.shape[-1])
-    slots = torch.tensor([0, -1, 2, 1, 1, -1, 0, 2, 2])
+    slots = torch.tensor(slots)
     base = torch.randn(9, ranges[-1][1])
-    batch = LoRABatch.build(slots, a.shape[1], a.shape[2], torch.float32)
-    y = add_lora_torch(base.clone(), x, a, bs, ranges, batch.mask)
+    batch = LoRABatch.build(slots, torch.device("cpu"))
+    assert len(batch.runs) == len([s for i, s in enumerate(slots.tolist()) if s >= 0 and (i == 0 or slots[i - 1] != s)])
+    y = add_lora_torch(base.clone(), x, a, bs, ranges, batch.runs)
     torch.testing.assert_close(y.double(), base.double() + per_token_delta(x, a, bs, ranges, slots),
                                rtol=1e-5, atol=1e-4)
-    assert torch.equal(y[1], base[1]) and torch.equal(y[5], base[5])    # base-model rows: untouched
+    untouched = slots < 0
+    assert torch.equal(y[untouched], base[untouched])    # base-model rows: exactly the base layer's output

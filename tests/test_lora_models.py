@@ -102,7 +102,12 @@ def test_one_slot_serves_two_adapters_by_swapping(tiny_llama: Served) -> None:
     llm = llm_for(tiny_llama, max_loras=1)
     names = ["a1", "a2", None, "a2", "a1", None, "a1", "a2"]
     assert generate(llm, tiny_llama, names) == expected(tiny_llama, names)
-    assert llm.engine.scheduler.lora_slots.num_loads >= 2, "both adapters passed through the one slot"
+    slots = llm.engine.scheduler.lora_slots
+    keys = {n: llm.engine.loras.by_name[n].key for n in ("a1", "a2")}
+    # first come, first served across adapters: a1, a2, a1, a2 took turns in slot 0
+    assert slots.num_loads == 4 and dict(slots.slot_of) == {keys["a2"]: 0}
+    assert generate(llm, tiny_llama, ["a1"]) == expected(tiny_llama, ["a1"])
+    assert slots.num_loads == 5, "a1 came back into the slot"
 
 
 def test_prefix_cache_hits_within_an_adapter_and_never_across(tiny_llama: Served) -> None:
@@ -141,3 +146,22 @@ def test_adapters_over_the_kept_quantized_gguf_weights(default_model: Served) ->
         i = next(i for i, (x, y) in enumerate(zip(ta, tb)) if x != y)
         assert ta[i] in b.outputs[0].logprobs[i], f"position {i}: {ta[i]} not in the reference's top-5"
     assert identical >= 0.75 * len(names), f"{identical} of {len(names)} identical"
+
+
+def test_an_adapter_the_worker_cannot_read_fails_only_its_requests(tiny_llama: Served, tmp_path: Path) -> None:
+    """Registered (checked) while its folder was whole, then gone by the time a worker loads it, as when the
+    worker sees another filesystem: its request ends with an error, the rest of the batch is exact, the
+    name is no longer served, and the engine goes on."""
+    import shutil
+    from scheduler.admission import RequestRejected
+    folder = shutil.copytree(tiny_llama.loras["a1"].lora_path, tmp_path / "vanishing")
+    llm = llm_for(tiny_llama)
+    llm.engine.load_lora(LoRARequest("vanishing", 0, str(folder)))
+    (folder / "adapter_model.safetensors").unlink()
+    outs = llm.generate(tiny_llama.prompts[:2], PARAMS, use_tqdm=False,
+                        lora_request=[LoRARequest("vanishing"), tiny_llama.loras["a2"]])
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert outs[1].outputs[0].token_ids == tiny_llama.expected["a2"][1]
+    with pytest.raises(RequestRejected, match="does not exist"):
+        llm.generate(tiny_llama.prompts[:1], PARAMS, use_tqdm=False, lora_request=LoRARequest("vanishing"))
+    assert generate(llm, tiny_llama, ["a1", None]) == expected(tiny_llama, ["a1", None])

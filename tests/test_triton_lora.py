@@ -1,4 +1,4 @@
-"""The Triton LoRA kernels (shrink + expand, one gather per token) against the torch path's masked dense
+"""The Triton LoRA kernels (shrink + expand, one gather per token) against the torch path's run-by-run
 GEMMs, which test_lora.py checks against the per-token definition. Without a GPU the kernels run in
 the Triton interpreter (TRITON_INTERPRET=1), set before they are jitted (see test_triton_qgemm.py)."""
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _interpreter_on_cpu() -> None:
 
 def case(outs: tuple[int, ...], num_slots: int, rank: int, k: int, tokens: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    a = torch.randn(len(outs), num_slots, rank, k, generator=g)
+    a = torch.randn(num_slots, len(outs), rank, k, generator=g)
     bs = [torch.randn(num_slots, rank, n, generator=g) for n in outs]
     starts = [sum(outs[:j]) for j in range(len(outs))]
     ranges = [(lo, lo + n) for lo, n in zip(starts, outs)]
@@ -49,8 +49,7 @@ def case(outs: tuple[int, ...], num_slots: int, rank: int, k: int, tokens: int, 
 ])
 def test_triton_kernels_match_the_torch_path(outs, num_slots, rank, k, tokens) -> None:
     a, bs, ranges, x, slots, y = case(outs, num_slots, rank, k, tokens, seed=len(outs) * 10 + rank)
-    mask = LoRABatch.build(slots, num_slots, rank, torch.float32).mask
-    want = add_lora_torch(y.clone(), x, a, bs, ranges, mask)
+    want = add_lora_torch(y.clone(), x, a, bs, ranges, LoRABatch.build(slots, torch.device("cpu")).runs)
     got = add_lora(y.clone().to(DEVICE), x.to(DEVICE), a.to(DEVICE), [b.to(DEVICE) for b in bs], ranges,
                    slots.to(DEVICE)).cpu()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)

@@ -2,10 +2,10 @@
 batch adds B[slot_t] @ (A[slot_t] @ x_t) to its output, gathering its own adapter's matrices, so one
 launch serves a batch that mixes adapters and the base model (slot -1: nothing added).
 
-    shrink:  h[t, j, :] = A[j, slot_t] @ x[t]                   A: [J, S, R, K]  (J shards of a fused layer)
+    shrink:  h[t, j, :] = A[slot_t, j] @ x[t]                   A: [S, J, R, K]  (J shards of a fused layer)
     expand:  y[t, lo_j:hi_j] += h[t, j, :] @ B_j[slot_t]        B_j: [S, R, N_j]
 
-The torch path (gpu_worker/lora/delta.py) computes the same with dense masked GEMMs; the tests run these
+The torch path (gpu_worker/lora/delta.py) computes the same over runs of rows; the tests run these
 kernels under TRITON_INTERPRET=1 against it. Imported only on CUDA (see kernels/triton_jit.py).
 """
 from __future__ import annotations
@@ -18,16 +18,16 @@ BLOCK_K = 64
 BLOCK_N = 64
 
 
-def _shrink_kernel(x_ptr, a_ptr, slot_ptr, h_ptr, K, R, S, stride_xt, stride_aj, stride_as, stride_ar,
+def _shrink_kernel(x_ptr, a_ptr, slot_ptr, h_ptr, K, R, stride_xt, stride_as, stride_aj, stride_ar,
                    stride_ht, stride_hj, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (token t, shard j): h[t, j] = A[j, slot_t] @ x[t] in fp32 (zeros for slot -1)."""
+    """Program (token t, shard j): h[t, j] = A[slot_t, j] @ x[t] in fp32 (zeros for slot -1)."""
     t = tl.program_id(0)
     j = tl.program_id(1)
     s = tl.load(slot_ptr + t)
     rr = tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     if s >= 0:
-        a_rows = a_ptr + j * stride_aj + s.to(tl.int64) * stride_as + rr[:, None] * stride_ar
+        a_rows = a_ptr + s.to(tl.int64) * stride_as + j * stride_aj + rr[:, None] * stride_ar
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             xk = tl.load(x_ptr + t.to(tl.int64) * stride_xt + rk, mask=rk < K, other=0.0).to(tl.float32)
@@ -55,14 +55,15 @@ def _expand_kernel(h_ptr, b_ptr, slot_ptr, y_ptr, N, R, col0, stride_ht, stride_
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
              ranges: list[tuple[int, int]], slots: torch.Tensor) -> torch.Tensor:
-    """y[:, lo_j:hi_j] += per-token LoRA delta of shard j, in place; `slots` [T] int (-1: none)."""
-    num_shards, _, rank, k = a.shape
+    """y[:, lo_j:hi_j] += per-token LoRA delta of shard j, in place; `slots` [T] int32 (-1: none)."""
+    _, num_shards, rank, k = a.shape
     t = x.shape[0]
-    x, slots = x.contiguous(), slots.to(torch.int32).contiguous()
+    x, slots = x.contiguous(), slots.to(torch.int32)
+    assert y.stride(1) == 1 and a.stride(3) == 1 and all(b.stride(2) == 1 for b in bs), "rows must be contiguous"
     h = torch.empty(t, num_shards, rank, device=x.device, dtype=torch.float32)
     block_r = max(16, triton.next_power_of_2(rank))
     jitted(_shrink_kernel, "the LoRA kernels")[(t, num_shards)](
-        x, a, slots, h, k, rank, a.shape[1], x.stride(0), a.stride(0), a.stride(1), a.stride(2),
+        x, a, slots, h, k, rank, x.stride(0), a.stride(0), a.stride(1), a.stride(2),
         h.stride(0), h.stride(1), BLOCK_R=block_r, BLOCK_K=BLOCK_K)
     expand = jitted(_expand_kernel, "the LoRA kernels")
     for j, ((lo, hi), b) in enumerate(zip(ranges, bs)):

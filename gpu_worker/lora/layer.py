@@ -27,20 +27,20 @@ class LoRALinearMethod(LinearMethod):
     def attach(self, layer: Linear, num_slots: int, rank: int, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate the layer's slots, all empty."""
         ranges = list(layer.shard_ranges.values())
-        layer.lora_a = torch.zeros(len(ranges), num_slots, rank, layer.in_features, device=device, dtype=dtype)
+        layer.lora_a = torch.zeros(num_slots, len(ranges), rank, layer.in_features, device=device, dtype=dtype)
         layer.lora_b = [torch.zeros(num_slots, rank, hi - lo, device=device, dtype=dtype) for lo, hi in ranges]
         layer.lora_filled = set()       # slots whose adapter adapts this layer
 
     def fill_slot(self, layer: Linear, slot: int, shards: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Put an adapter's (A [r, in], scaled B^T [r, out]) per shard into `slot`; shards it does not
         adapt stay zero."""
-        layer.lora_a[:, slot].zero_()
+        layer.lora_a[slot].zero_()
         for b in layer.lora_b:
             b[slot].zero_()
         for j, shard in enumerate(layer.shard_ranges):
             if shard in shards:
                 a, bt = shards[shard]
-                layer.lora_a[j, slot, :a.shape[0]].copy_(a)
+                layer.lora_a[slot, j, :a.shape[0]].copy_(a)
                 layer.lora_b[j][slot, :bt.shape[0]].copy_(bt)
         (layer.lora_filled.add if shards else layer.lora_filled.discard)(slot)
 

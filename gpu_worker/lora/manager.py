@@ -39,18 +39,29 @@ class LoRAManager:
                 for shard, (lo, hi) in m.shard_ranges.items():
                     self.targets[f"{shard}_proj" if shard else path.rsplit(".", 1)[-1]] = (m.in_features, hi - lo)
         self.slot_of: dict[int, int] = {}                         # adapter key -> slot
+        self.failed: set[int] = set()                             # keys whose load failed this step
         self.host: OrderedDict[int, AdapterTensors] = OrderedDict()
 
     # ---- slots -------------------------------------------------------------------------------
-    def load(self, loads: list[tuple[int, int, str]]) -> None:
-        """Fill each (slot, key, folder): the adapter that held the slot is gone from it."""
+    def load(self, loads: list[tuple[int, int, str]]) -> dict[int, str]:
+        """Fill each (slot, key, folder): the adapter that held the slot is gone from it. An adapter this
+        worker cannot read (its folder gone or different here) leaves the slot empty and is returned as
+        {key: reason}: its rows run on the base model this step and the scheduler fails its requests."""
+        failed: dict[int, str] = {}
         for slot, key, path in loads:
-            tensors = self._host_copy(key, path)
+            try:
+                tensors = self._host_copy(key, path)
+            except Exception as e:      # LoRAError, or an unreadable file: never the whole step's fault
+                log.error("LoRA adapter %d from %s cannot be loaded: %s", key, path, e)
+                failed[key], tensors = f"the LoRA adapter could not be loaded on the worker: {e}", {}
             for old in [k for k, s in self.slot_of.items() if s == slot]:
                 del self.slot_of[old]
             for module, layer in self.layers.items():
                 layer.method.fill_slot(layer, slot, tensors.get(module, {}))
-            self.slot_of[key] = slot
+            if key not in failed:
+                self.slot_of[key] = slot
+        self.failed = set(failed)
+        return failed
 
     def _host_copy(self, key: int, path: str) -> AdapterTensors:
         if key in self.host:
@@ -65,13 +76,17 @@ class LoRAManager:
 
     # ---- one step ----------------------------------------------------------------------------
     def begin_step(self, row_keys: torch.Tensor | None) -> None:
-        """Point every adapted layer at this step's rows (adapter key per row, 0 = base model)."""
+        """Point every adapted layer at this step's rows: `row_keys` [T] on the CPU, the adapter key of each
+        row (0: the base model)."""
         if row_keys is None:
             self.step.batch = None
             return
         keys, inverse = torch.unique(row_keys, return_inverse=True)
-        slot_by_key = torch.tensor([self.slot_of[k] if k else -1 for k in keys.tolist()], device=row_keys.device)
-        self.step.batch = LoRABatch.build(slot_by_key[inverse], self.max_loras, self.max_rank, self.dtype)
+        missing = [k for k in keys.tolist() if k and k not in self.slot_of and k not in self.failed]
+        if missing:
+            raise RuntimeError(f"adapters {missing} are in this step but in no slot (the scheduler sends a load first)")
+        slot_by_key = torch.tensor([self.slot_of.get(k, -1) for k in keys.tolist()])
+        self.step.batch = LoRABatch.build(slot_by_key[inverse], self.device)
 
     def end_step(self) -> None:
         self.step.batch = None
