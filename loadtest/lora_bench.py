@@ -4,7 +4,9 @@ model alone, measured in the same run with the arms alternated.
 
     python -m loadtest.lora_bench [--repeats 3] [--json FILE]
 
-Arms, each a fresh offline engine (max_num_seqs 64, prefix caching off, the GGUF blocks kept):
+Arms, each its own offline engine (max_num_seqs 64, prefix caching off, the GGUF blocks kept), all built
+once in this process and then run in turn, the order alternated every repeat: the machine's speed drifts
+over minutes, and engines started in separate processes were seen to differ by 20% for no reason of theirs.
   * base — LoRA off;
   * lora4 — --enable-lora --max-loras 4 --max-lora-rank 16, request i under adapter i % 4;
   * lora-idle — LoRA on with the 4 adapters resident, every request on the base model (the cost of
@@ -40,14 +42,18 @@ def make_adapters(folder: Path) -> list[LoRARequest]:
             for i in range(NUM_ADAPTERS)]
 
 
-def measure(arm: str, adapters: list[LoRARequest], threads: int | None) -> float:
+def make_engine(arm: str, adapters: list[LoRARequest], threads: int | None) -> LLM:
     lora = arm != "base"
     llm = LLM(dtype="float32", kv_cache_memory=1.0, swap_space=0, num_threads=threads, max_num_seqs=64,
               enable_prefix_caching=False, enable_lora=lora, max_loras=NUM_ADAPTERS, max_lora_rank=RANK)
-    reqs = load_workload()
     warm = [[100 + i] * 8 for i in range(NUM_ADAPTERS)]
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False,
                  lora_request=adapters if lora else None)        # lora-idle: the adapters are resident
+    return llm
+
+
+def measure(llm: LLM, arm: str, adapters: list[LoRARequest]) -> float:
+    reqs = load_workload()
     sps = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
     per_request = [adapters[i % NUM_ADAPTERS] for i in range(len(reqs))] if arm == "lora4" else None
     t0 = time.perf_counter()
@@ -65,10 +71,11 @@ def main() -> None:
     arms = tuple(args.arms.split(","))
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
         adapters = make_adapters(Path(tmp))
+        engines = {arm: make_engine(arm, adapters, args.threads) for arm in arms}
         results: list[dict[str, Any]] = []
         for rep in range(args.repeats):
             order = arms if rep % 2 == 0 else arms[::-1]      # alternate: the machine is shared and noisy
-            got = {arm: measure(arm, adapters, args.threads) for arm in order}
+            got = {arm: measure(engines[arm], arm, adapters) for arm in order}
             row = {"repeat": rep, **{f"{a}_tok_s": got[a] for a in arms}}
             row.update({f"{a}_vs_base": got[a] / got["base"] for a in arms if a != "base" and "base" in got})
             results.append(row)

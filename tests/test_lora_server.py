@@ -1,6 +1,7 @@
-"""Multi-LoRA over HTTP with `pagedserve serve --enable-lora`: an adapter from --lora-modules and one
-loaded at run time, each matching Hugging Face with the adapter merged by peft (greedy, fp32), alone and
-in concurrent mixed traffic; unloading ends the name; /v1/models and /metrics show the adapters."""
+"""Multi-LoRA over HTTP with `pagedserve serve --enable-lora`, on the tiny Llama and on the default model:
+an adapter from --lora-modules and one loaded at run time, each matching Hugging Face with the adapter
+merged by peft (greedy, fp32), alone and in concurrent mixed traffic; unloading ends the name; /v1/models
+and /metrics show the adapters. ("tiny" is the served model name in both.)"""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ import aiohttp
 import pytest
 import torch
 
+from common.model_source import ModelSource
 from loadtest.lora_adapters import build_adapter, merged_reference
 from tests.hf_reference import hf_greedy
 from common.protocol import HEARTBEAT_S
@@ -22,26 +24,34 @@ MAX_TOKENS = 12
 TEXTS = ["The history of the printing press", "Once upon a time", "Machine learning is"]
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_model, default_tokenizer, tmp_path_factory):
+@pytest.fixture(scope="module", params=["tiny_llama", "default_model"])
+def setup(request, tiny_model, default_tokenizer, tmp_path_factory):
+    """(model flags, adapter a1, adapter a2, expected text per adapter name) for the tiny Llama, and for the
+    default model expanded to fp32 (`--quantization none`, what Hugging Face computes from the GGUF)."""
     from transformers import AutoModelForCausalLM
-    base = tiny_model("llama")
-    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    if request.param == "tiny_llama":
+        model_args, std = [str(tiny_model("llama"))], 0.3
+        hf = AutoModelForCausalLM.from_pretrained(model_args[0], dtype=torch.float32).eval()
+    else:
+        src = ModelSource.resolve(None)
+        model_args, std = ["--quantization", "none"], 0.05
+        hf = AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
+                                                  dtype=torch.float32).eval()
     tmp = tmp_path_factory.mktemp("lora-http")
-    a1 = build_adapter(hf, tmp / "a1", 8, ("q_proj", "v_proj", "down_proj"), seed=1, std=0.3)
-    a2 = build_adapter(hf, tmp / "a2", 16, ("k_proj", "o_proj", "gate_proj", "up_proj"), seed=2, std=0.3)
+    a1 = build_adapter(hf, tmp / "a1", 8, ("q_proj", "v_proj", "down_proj"), seed=1, std=std)
+    a2 = build_adapter(hf, tmp / "a2", 16, ("k_proj", "o_proj", "gate_proj", "up_proj"), seed=2, std=std)
     models = {None: hf, "a1": merged_reference(hf, a1), "a2": merged_reference(hf, a2)}
     expected = {name: [default_tokenizer.decode(hf_greedy(m, default_tokenizer.encode(t), MAX_TOKENS, None).token_ids)
                        for t in TEXTS] for name, m in models.items()}
     assert expected["a1"] != expected[None] and expected["a2"] != expected[None]
-    return base, a1, a2, expected
+    return model_args, a1, a2, expected
 
 
 @pytest.fixture(scope="module")
 def server(setup, tmp_path_factory):
-    base, a1, _, _ = setup
+    model_args, a1, _, _ = setup
     a1_json = json.dumps({"name": "a1", "path": str(a1), "base_model_name": "tiny-base"})
-    with run_server(str(base), "--served-model-name", "tiny", "--kv-cache-memory", "0.1", "--swap-space", "0",
+    with run_server(*model_args, "--served-model-name", "tiny", "--kv-cache-memory", "0.1", "--swap-space", "0",
                     "--num-threads", "1", "--enable-lora", "--max-loras", "2", "--lora-modules", a1_json,
                     log_dir=tmp_path_factory.mktemp("lora-http-logs"),
                     env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as s:

@@ -17,8 +17,6 @@ from gpu_worker.kernels.triton_jit import interpret_mode  # noqa: E402
 from gpu_worker.kernels.triton_lora import add_lora  # noqa: E402
 from gpu_worker.lora.delta import LoRABatch, add_lora_torch  # noqa: E402
 
-pytestmark = pytest.mark.unit
-
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -41,6 +39,7 @@ def case(outs: tuple[int, ...], num_slots: int, rank: int, k: int, tokens: int, 
     return a, bs, ranges, x, slots, y
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("outs, num_slots, rank, k, tokens", [
     ((24, 8, 8), 3, 8, 40, 7),        # fused q/k/v shards, K not a multiple of the kernel's BLOCK_K
     ((72, 72), 2, 12, 64, 5),         # gate/up, a rank that is not a power of two, N past one BLOCK_N tile
@@ -57,9 +56,23 @@ def test_triton_kernels_match_the_torch_path(outs, num_slots, rank, k, tokens) -
     assert torch.equal(got[untouched], y[untouched]), "a base-model row changed"
 
 
+@pytest.mark.unit
 def test_a_batch_without_adapters_changes_nothing() -> None:
     a, bs, ranges, x, _, y = case((8, 8), 2, 4, 16, 4, seed=3)
     slots = torch.full((4,), -1)
     got = add_lora(y.clone().to(DEVICE), x.to(DEVICE), a.to(DEVICE), [b.to(DEVICE) for b in bs], ranges,
                    slots.to(DEVICE)).cpu()
     assert torch.equal(got, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_on_cuda_matches_fp32(dtype) -> None:
+    """Compiled on CUDA with the model's dtypes (numpy, and so the interpreter, has no bfloat16)."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA only")
+    a, bs, ranges, x, slots, y = case((96, 32, 32), 4, 16, 256, 33, seed=7)
+    want = add_lora_torch(y.clone(), x, a, bs, ranges, LoRABatch.build(slots, torch.device("cpu")).runs)
+    cuda = [t.to("cuda", dtype) for t in (y, x, a)]
+    got = add_lora(cuda[0], cuda[1], cuda[2], [b.to("cuda", dtype) for b in bs], ranges, slots.cuda())
+    torch.testing.assert_close(got.float().cpu(), want, rtol=3e-2, atol=0.5)
