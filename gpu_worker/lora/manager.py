@@ -39,7 +39,8 @@ class LoRAManager:
                 for shard, (lo, hi) in m.shard_ranges.items():
                     self.targets[f"{shard}_proj" if shard else path.rsplit(".", 1)[-1]] = (m.in_features, hi - lo)
         self.slot_of: dict[int, int] = {}                         # adapter key -> slot
-        self.failed: set[int] = set()                             # keys whose load failed this step
+        self.failed: set[int] = set()     # keys whose load failed: a step scheduled before the scheduler heard
+                                          # may still carry their rows (keys are never reused)
         self.host: OrderedDict[int, AdapterTensors] = OrderedDict()
 
     # ---- slots -------------------------------------------------------------------------------
@@ -60,7 +61,7 @@ class LoRAManager:
                 layer.method.fill_slot(layer, slot, tensors.get(module, {}))
             if key not in failed:
                 self.slot_of[key] = slot
-        self.failed = set(failed)
+        self.failed |= set(failed)
         return failed
 
     def _host_copy(self, key: int, path: str) -> AdapterTensors:
