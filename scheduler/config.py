@@ -37,4 +37,4 @@ class SchedulerConfig:
                    max_waiting_tokens=engine.max_waiting_tokens, speculative=spec is not None,
                    spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
                    spec_lookahead_slots=spec.lookahead_slots if spec else 0,
-                   max_loras=engine.max_loras if engine.enable_lora else 0)
+                   max_loras=worker.max_loras)

@@ -36,7 +36,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._to_drop: list[str] = []                       # worker state to free at the next step
         self.lora_slots = LoRASlots(config.max_loras)
-        self._step_lora_keys: set[int] = set()              # adapters of the step being scheduled
+        self._step_loras: list[LoRAAdapter] = []            # adapters of the step being scheduled
         self._step_ids = itertools.count()
 
     # ---- admission -----------------------------------------------------------------------------
@@ -91,7 +91,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(step_id=next(self._step_ids), finished_seq_ids=self._to_drop)
         self._to_drop = []
-        self._step_lora_keys = set()
+        self._step_loras = []
         budget = self.config.max_num_batched_tokens
         preempted = False
 
@@ -124,6 +124,8 @@ class Scheduler:
             budget = self._swap_in(out, budget, lora_keys)
         if not preempted and not self.swapped:
             self._admit(out, budget, lora_keys)
+        if self._step_loras:
+            out.lora_loads = self.lora_slots.place(self._step_loras)
         if out.new_seqs or out.cached_seqs:
             self.stats.num_steps += 1
             self.stats.num_step_seqs += len(out.new_seqs) + len(out.cached_seqs)
@@ -133,7 +135,7 @@ class Scheduler:
         num_seqs = self._num_running_seqs()
         while self.swapped and budget > 0 and self._may_start(self.swapped[0], num_seqs):
             seq = self.swapped[0]
-            if not LoRASlots.admits(seq.lora, lora_keys, self.config.max_loras):
+            if not self.lora_slots.admits(seq.lora, lora_keys):
                 break                        # back once the running adapters leave it a slot
             n = min(seq.num_tokens_to_compute, budget)
             slots = n + self._lookahead(seq, n)
@@ -154,7 +156,7 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and self._may_start(self.waiting[0], num_seqs):
             seq = self.waiting[0]
-            if seq.lora is not None and (skipped or not LoRASlots.admits(seq.lora, lora_keys, self.config.max_loras)):
+            if seq.lora is not None and (skipped or not self.lora_slots.admits(seq.lora, lora_keys)):
                 skipped.append(self.waiting.popleft())   # behind a skipped one, no adapter starts: the
                 continue                                 # running adapters drain and its turn comes
             hits = self.kv.get_computed_blocks(seq)
@@ -231,8 +233,8 @@ class Scheduler:
             self.stats.spec_num_draft_tokens += len(drafts)
         copies, first_changed = alloc
         out.blocks_to_copy.extend(copies)
-        if seq.lora is not None and (load := self.lora_slots.place(seq.lora, self._step_lora_keys)):
-            out.lora_loads.append(load)
+        if seq.lora is not None:
+            self._step_loras.append(seq.lora)
         table = self.kv.table(seq.seq_id)
         if not seq.on_worker:
             out.new_seqs.append(NewSequenceData(seq.seq_id, seq.all_token_ids, seq.num_prompt_tokens,

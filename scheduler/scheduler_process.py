@@ -149,8 +149,7 @@ class SchedulerProcess:
         except LoRAError as e:
             ack.code, ack.error, ack.param = e.code, str(e), e.param
             return ack
-        self.last_heartbeat = 0.0
-        self._heartbeat()
+        self._broadcast_stats(time.monotonic())
         return ack
 
     def _route(self, outputs: list[EngineOutput]) -> None:
@@ -186,6 +185,12 @@ class SchedulerProcess:
         now = time.monotonic()
         if now - self.last_heartbeat < HEARTBEAT_S:
             return
+        self._broadcast_stats(now)
+        if now - self.last_log >= STATS_LOG_S:
+            self._log_stats(now)
+
+    def _broadcast_stats(self, now: float) -> None:
+        """Stats to every router heard from lately (forgetting the others)."""
         self.last_heartbeat = now
         stats = Stats(self.ready and not self.stopping, self.dead, self.core.max_model_len, self.values())
         for ident, seen in list(self.clients.items()):
@@ -193,8 +198,6 @@ class SchedulerProcess:
                 del self.clients[ident]
             else:
                 self._send(ident, stats)
-        if now - self.last_log >= STATS_LOG_S:
-            self._log_stats(now)
 
     def values(self) -> dict:
         st = self.sched.stats

@@ -189,23 +189,26 @@ def test_registry_resolves_names_and_loads_offline_requests_once(adapter) -> Non
 def test_slots_are_least_recently_used_and_never_evict_the_steps_own() -> None:
     slots = LoRASlots(2)
     a, b, c = fake_adapter(1), fake_adapter(2), fake_adapter(3)
-    assert slots.place(a, set()) == (0, 1, a.path)
-    assert slots.place(b, set()) == (1, 2, b.path)
-    assert slots.place(a, set()) is None                     # resident: nothing to send; a is now the newest
-    assert slots.place(c, set()) == (1, 3, c.path)           # b was the least recently used
-    step: set[int] = set()
-    slots.place(c, step)
-    assert slots.place(b, step) == (0, 2, b.path)            # a is evicted, not c, which this step uses
+    assert slots.place([a]) == [(0, 1, a.path)]
+    assert slots.place([b, b]) == [(1, 2, b.path)]
+    assert slots.place([a]) == []                            # resident: nothing to send; a is now the newest
+    assert slots.place([c]) == [(1, 3, c.path)]              # b was the least recently used
+    assert slots.place([b, c]) == [(0, 2, b.path)]           # a is evicted, not c, which this step uses
+    # a step whose new adapter comes first must not evict an old one that a later sequence of it uses:
+    # c is the least recently used but in the step, so b goes
+    assert slots.place([a, c]) == [(0, 1, a.path)] and dict(slots.slot_of) == {3: 1, 1: 0}
+    assert slots.num_loads == 5
     with pytest.raises(RuntimeError, match="more than max_loras"):
-        slots.place(a, step)
+        slots.place([a, b, c])
 
 
 def test_admission_keeps_at_most_max_loras_adapters_running() -> None:
     keys: set[int] = set()
-    assert LoRASlots.admits(None, keys, 1) and not keys
-    assert LoRASlots.admits(fake_adapter(1), keys, 1) and keys == {1}
-    assert LoRASlots.admits(fake_adapter(1), keys, 1)
-    assert not LoRASlots.admits(fake_adapter(2), keys, 1) and keys == {1}
+    slots = LoRASlots(1)
+    assert slots.admits(None, keys) and not keys
+    assert slots.admits(fake_adapter(1), keys) and keys == {1}
+    assert slots.admits(fake_adapter(1), keys)
+    assert not slots.admits(fake_adapter(2), keys) and keys == {1}
 
 
 def test_one_slot_serves_two_adapters_by_swapping_between_steps() -> None:
