@@ -52,7 +52,7 @@ def build_sampling_batch(states: list[SequenceState], vocab: int, eos_ids: set[i
         coords = [(i, t, v) for i, p in enumerate(ps) for t, v in (p.logit_bias or {}).items()]
         b.bias_rows, b.bias_cols, b.bias_vals = (torch.tensor(c, device=device) for c in zip(*coords))
     bans = [(i, t) for i, s in enumerate(states) if s.num_output_tokens < s.params.min_tokens
-            for t in set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else eos_ids)]
+            for t in set(s.params.stop_token_ids) | eos_ids]    # ignore_eos or not, as vLLM and HF's min_new_tokens
     if bans:
         b.ban_rows, b.ban_cols = (torch.tensor(c, device=device) for c in zip(*bans))
     lp = [p.logprobs for p in ps if p.logprobs is not None]

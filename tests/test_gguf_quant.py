@@ -87,6 +87,24 @@ def test_native_matmul_matches_fp64_reference(isa, qtype, force_isa):
         assert err < 1e-6, (rows, err)     # fp32 rounding of a different summation order
 
 
+@pytest.mark.parametrize("isa", isa_levels())
+def test_a_rows_result_does_not_depend_on_the_step_size(isa, force_isa):
+    """Speculative verification runs k+1 rows where plain decoding runs one: every row of the native GEMM
+    must come out bit-identical whatever the row count and whichever tile it lands in (the AVX-512
+    single-row path sums differently from its tiles until they share one order)."""
+    if not native.available():
+        pytest.fail("the native kernels did not build; scripts/setup.sh builds them")
+    force_isa(isa)
+    if native.cpu_isa() < native.ISA_LEVELS[isa]:
+        pytest.skip(f"this CPU has no {isa}")
+    for qtype, k in ((T.Q4_1, 96), (T.Q8_0, 256), (T.Q4_K, 256)):       # 96: a K with an odd run count
+        pw = gguf_tensor(qtype, 24, k, seed=3).pack()
+        x = torch.randn(16, k)
+        alone = torch.cat([pw.matmul(x[i:i + 1]) for i in range(16)])
+        for rows in (2, 4, 5, 7, 8, 9, 16):
+            assert torch.equal(pw.matmul(x[:rows]), alone[:rows]), (qtype.name, rows)
+
+
 def test_large_steps_and_the_torch_fallback_agree(monkeypatch):
     t = gguf_tensor(T.Q4_1, 64, 128, seed=2)
     pw, w = t.pack(), ref_weights(t)

@@ -99,22 +99,28 @@ __attribute__((target("avx512f,avx512bw,fma"))) inline void expand_avx512(const 
 }
 
 // One output row n against MT input rows: each run of 32 weights is expanded once and used by all MT.
+// Each row sums exactly as dot1_avx512 does (runs alternating between two accumulator pairs, reduced as
+// (a0 + a1) + (a2 + a3)), so a row's result does not depend on how many rows share the step: speculative
+// verification of k+1 rows must reproduce single-row decoding bit for bit.
 template <int MT>
 __attribute__((target("avx512f,avx512bw,fma"))) void row_avx512(const Args& a, int n, int m0) {
-    __m512 acc[MT][2];
-    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    __m512 acc[MT][4];
+    for (int m = 0; m < MT; ++m)
+        for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_setzero_ps();
     const float* x = a.x + (int64_t)m0 * a.K;
     for (int k = 0; k < a.K; k += 32) {
         __m512 w0, w1;
         expand_avx512(a, n, k, w0, w1);
+        const int p = (k % 64 == 32) ? 2 : 0;         // odd runs feed the second pair, as in dot1_avx512
         for (int m = 0; m < MT; ++m) {
-            acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + (int64_t)m * a.K + k), acc[m][0]);
-            acc[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + (int64_t)m * a.K + k + 16), acc[m][1]);
+            acc[m][p] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + (int64_t)m * a.K + k), acc[m][p]);
+            acc[m][p + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + (int64_t)m * a.K + k + 16), acc[m][p + 1]);
         }
     }
     const float bias = a.bias ? a.bias[n] : 0.f;
     for (int m = 0; m < MT; ++m)
-        a.y[(int64_t)(m0 + m) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])) + bias;
+        a.y[(int64_t)(m0 + m) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(
+            _mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]))) + bias;
 }
 
 // The single-row case (a decode step of one sequence) with the format fixed at compile time: pointers
@@ -234,9 +240,11 @@ __attribute__((target("avx2,fma,f16c"))) void dequant_avx2(const Args& a, int n,
 }
 
 // ---- dispatch --------------------------------------------------------------------------------
-// Input rows sharing one expansion of the weights: AVX-512 has 32 vector registers, room for 8 rows'
-// accumulators; AVX2's 16 hold 4.
-inline int tile_rows(int isa) { return isa >= 2 ? 8 : 4; }
+// Input rows sharing one expansion of the weights: AVX-512 has 32 vector registers, room for 7 rows'
+// four accumulators and the two weight vectors; AVX2's 16 hold 5 (10 accumulators and 4 weight vectors, x read by the FMAs from memory).
+// 5 rather than 4 measured 0.77x the time at 5 rows and 0.87x at 9 (one expansion fewer; a speculative
+// step verifies k+1 rows), the same at 1 and 4 (2-core Zen3 VM, /tmp-free harness in loadtest/qgemm_bench.py).
+inline int tile_rows(int isa) { return isa >= 2 ? 7 : 5; }
 
 template <int MT>
 void row(const Args& a, int n, int m0, int isa) {
@@ -254,8 +262,7 @@ void row_any(const Args& a, int n, int m0, int mt, int isa) {
         case 4: row<4>(a, n, m0, isa); break;
         case 5: row<5>(a, n, m0, isa); break;
         case 6: row<6>(a, n, m0, isa); break;
-        case 7: row<7>(a, n, m0, isa); break;
-        default: row<8>(a, n, m0, isa); break;
+        default: row<7>(a, n, m0, isa); break;
     }
 }
 
