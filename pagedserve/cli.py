@@ -4,22 +4,36 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
+import json
+import logging
 import signal
 import sys
 import time
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any
 
-from common.config import KV_CACHE_DTYPES, QUANTIZATION_ALIASES, QUANTIZATION_METHODS, EngineConfig
+from common.chat_template import load_chat_template
+from common.config import (DTYPES, GENERATION_CONFIG_MODES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATION_ALIASES,
+                           QUANTIZATION_METHODS, EngineConfig)
 from common.lora import check_lora_config
+from common.model_source import ModelNotFound, ModelSource
 from common.speculative import SpeculativeConfig
+from pagedserve.cli_args import add_config_args, config_flags, config_from_args
 from pagedserve.engine_processes import EngineProcesses, wait_all
+from pagedserve.vllm_flags import add_compat_args, check_compat
 from router.config import API_KEY_ENV, DEFAULT_FRONTEND, RouterConfig
 
 DEFAULT_WORKERS = "tcp://127.0.0.1:5558"
 DEFAULT_LOG_LEVEL = "INFO"
+MODEL_HELP = ("nothing for SmolLM2-135M-Instruct, a Hugging Face folder, a .gguf file, or a hub id (org/name) "
+              "in the local Hugging Face cache; also as --model")
 _ENGINE_HELP = {
-    "model": "model: nothing for SmolLM2-135M-Instruct, a Hugging Face folder, or a .gguf file",
+    "tokenizer": "the tokenizer's folder or hub id, when it is not the model's",
+    "revision": "hub ids: the branch, tag or commit (from the local cache)",
+    "download_dir": "hub ids: the Hugging Face cache folder to look in",
+    "dtype": f"weights and activations: {', '.join(DTYPES)} (auto: float32 on the CPU, bfloat16 on CUDA)",
+    "max_model_len": "longest prompt + output, e.g. 4096, 32k or 32K (auto: the model's)",
+    "load_format": f"{', '.join(LOAD_FORMATS)} (dummy: random weights)",
     "kv_cache_memory": "GiB of memory for the KV cache on CPU",
     "swap_space": "GiB of host memory for swapped-out KV blocks (0 disables swapping)",
     "num_gpu_blocks": "fix the number of KV blocks instead of sizing from memory",
@@ -37,63 +51,30 @@ _ENGINE_HELP = {
 }
 _ROUTER_HELP = {
     "frontend_address": "the scheduler's frontend address",
-    "served_model_name": "the model id clients send and see (default: the model's name)",
-    "api_key": f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV})",
+    "served_model_name": "the model ids clients may send; responses carry the first (default: the model's name)",
+    "api_key": f"require 'Authorization: Bearer KEY' (one of these keys) on /v1/* (default: ${API_KEY_ENV} or "
+               "$VLLM_API_KEY)",
+    "chat_template": "the chat template: a file, or the Jinja template itself (default: the tokenizer's)",
+    "response_role": "the role chat completions answer with",
+    "generation_config": "request defaults: auto (the model's generation_config.json), vllm (none), or a folder",
+    "override_generation_config": "JSON object over those defaults, e.g. '{\"temperature\": 0.5}'",
+    "allowed_origins": "CORS: allowed origins, as a JSON list or comma-separated",
+    "allowed_methods": "CORS: allowed methods",
+    "allowed_headers": "CORS: allowed headers",
+    "allow_credentials": "CORS: allow credentials",
+    "disable_fastapi_docs": "do not serve /docs and /openapi.json",
     "max_body_bytes": "largest request body accepted (413 above it)",
     "shutdown_timeout": "seconds in-flight requests get to finish on SIGTERM before they are aborted",
     "access_log": "log one line per HTTP request",
 }
-_FLAG_TYPES = {"int": int, "float": float, "str": str, "int | None": int, "float | None": float, "str | None": str}
-Config = TypeVar("Config")
-
-
-# ---- config dataclasses <-> flags ------------------------------------------------------------------
-def _flag(f: dataclasses.Field) -> str:
-    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
-
-
-def add_config_args(p: argparse.ArgumentParser, config_cls: type, helps: dict[str, str], *,
-                    skip: tuple[str, ...] = ("model",)) -> None:
-    """One flag per field of a config dataclass, so the CLI and the config cannot drift apart. A bool field
-    becomes --x/--no-x; a field's metadata may rename its flag ("flag") or default it from the environment
-    ("env"). `skip`: fields a subcommand spells itself (the positional model) or sets itself."""
-    for f in dataclasses.fields(config_cls):
-        if f.name in skip:
-            continue
-        default = os.environ.get(f.metadata["env"], f.default) if "env" in f.metadata else f.default
-        kw: dict[str, Any] = {"dest": f.name, "default": default, "help": helps.get(f.name)}
-        if f.type in ("bool", bool):
-            p.add_argument(_flag(f), action=argparse.BooleanOptionalAction, **kw)
-        elif str(f.type).startswith("list[str]"):
-            p.add_argument(_flag(f), nargs="+", type=str, **kw)
-        else:
-            p.add_argument(_flag(f), type=_FLAG_TYPES.get(str(f.type), str), **kw)
-
-
-def config_from_args(config_cls: type[Config], args: argparse.Namespace, **overrides: Any) -> Config:
-    """The config dataclass from parsed flags (see add_config_args); `overrides` for fields the subcommand
-    sets itself rather than from a flag."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls) if f.name not in overrides}
-    return config_cls(**values, **overrides)
-
-
-def config_flags(config: Any, *, skip: tuple[str, ...] = ("model",)) -> list[str]:
-    """The fields of a config dataclass that differ from their defaults, as flags for a child process."""
-    out: list[str] = []
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if f.name in skip or value == f.default:
-            continue
-        flag = _flag(f)
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + flag[2:])
-        else:
-            out += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
-    return out
-
-
 def add_log_level_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=DEFAULT_LOG_LEVEL)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model, positional or as vLLM's --model."""
+    p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -105,8 +86,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return config_from_args(EngineConfig, args)
 
 
-def add_router_args(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = ("model",)) -> None:
+def add_router_args(p: argparse.ArgumentParser, *, skip: tuple[str, ...] | set[str] = ("model",)) -> None:
     add_config_args(p, RouterConfig, _ROUTER_HELP, skip=skip)
+
+
+# Fields both configs have (the model's location): `serve` takes them once, as engine flags
+_SHARED = {f.name for f in dataclasses.fields(EngineConfig)} & {f.name for f in dataclasses.fields(RouterConfig)}
 
 
 def router_config(args: argparse.Namespace, **overrides: Any) -> RouterConfig:
@@ -118,40 +103,72 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="scheduler, workers and routers on this machine")
-    serve.add_argument("model", nargs="?", default=None)
+    add_model_args(serve)
     add_engine_args(serve)
-    add_router_args(serve, skip=("model", "frontend_address"))     # serve picks the address itself
-    serve.add_argument("--router-replicas", type=int, default=1)
+    add_router_args(serve, skip=_SHARED | {"frontend_address"})     # serve picks the address itself
+    serve.add_argument("--router-replicas", "--api-server-count", type=int, default=1,
+                       help="HTTP router processes sharing the port")
+    add_compat_args(serve)
 
     sched = sub.add_parser("scheduler", help="the scheduler process alone")
-    sched.add_argument("model", nargs="?", default=None)
+    add_model_args(sched)
     add_engine_args(sched)
     sched.add_argument("--frontend", default=DEFAULT_FRONTEND, help="address routers connect to")
     sched.add_argument("--workers", default=DEFAULT_WORKERS, help="address workers connect to")
 
     worker = sub.add_parser("worker", help="one worker process alone")
-    worker.add_argument("model", nargs="?", default=None)
+    add_model_args(worker)
     add_engine_args(worker)
     worker.add_argument("--connect", default=DEFAULT_WORKERS, help="the scheduler's worker address")
     worker.add_argument("--rank", type=int, default=0)
 
     router = sub.add_parser("router", help="one HTTP router replica alone")
-    router.add_argument("model", nargs="?", default=None)
+    add_model_args(router)
     add_router_args(router)
     add_log_level_arg(router)
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """Parse and validate every flag before any process starts: a bad value exits 2 at once, naming the
+    flag. Returns the arguments and the notices for vLLM flags that mean nothing here."""
+    args = parser.parse_args(argv)
+    flag = getattr(args, "model_flag", None)
+    if flag is not None:
+        if args.model is not None and args.model != flag:
+            parser.error(f"the model is given twice: {args.model!r} and --model {flag!r}")
+        args.model = flag
+    notices = check_compat(parser, args)
+    check_engine_args(parser, args)
+    check_router_args(parser, args)
+    return args, notices
 
 
 def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Values that would only fail in a child process fail here, at once, naming the flag (exit 2)."""
     if getattr(args, "max_body_bytes", 1) <= 0:
         parser.error("--max-body-bytes must be positive")
-    quant = getattr(args, "quantization", "auto")
-    if quant not in QUANTIZATION_METHODS and quant not in QUANTIZATION_ALIASES:
-        parser.error(f"--quantization {quant!r}: expected one of {', '.join(QUANTIZATION_METHODS)}")
-    kv = getattr(args, "kv_cache_dtype", "auto")
-    if kv not in KV_CACHE_DTYPES:
-        parser.error(f"--kv-cache-dtype {kv!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+    if not hasattr(args, "quantization"):
+        return
+    _choice(parser, "--dtype", args.dtype, DTYPES)
+    _choice(parser, "--quantization", args.quantization, (*QUANTIZATION_METHODS, *QUANTIZATION_ALIASES))
+    _choice(parser, "--kv-cache-dtype", args.kv_cache_dtype, KV_CACHE_DTYPES)
+    _choice(parser, "--load-format", args.load_format, LOAD_FORMATS)
+    _choice(parser, "--device", args.device, ("auto", "cpu", "cuda"))
+    _choice(parser, "--attention-backend", args.attention_backend, ("auto", "torch", "triton"))
+    for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "block_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        parser.error(f"--max-model-len must be at least 1 (or auto), got {args.max_model_len}")
+    if args.block_size & (args.block_size - 1):
+        parser.error(f"--block-size must be a power of two, got {args.block_size}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        parser.error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    for name in ("kv_cache_memory", "swap_space"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must not be negative")
+    _check_model(parser, args)
     _check_lora_args(parser, args)
     if getattr(args, "speculative_config", None) is not None:
         try:
@@ -160,6 +177,41 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
                 spec.check_draft(getattr(args, "model", None))
         except ValueError as e:    # json.JSONDecodeError is one
             parser.error(f"--speculative-config: {e}")
+
+
+def _choice(parser: argparse.ArgumentParser, flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        parser.error(f"{flag} {value!r}: expected one of {', '.join(choices)}")
+
+
+def _check_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The model (and tokenizer) must resolve here, not in a child: a typo exits 2 at once."""
+    try:
+        source = ModelSource.from_config(args, args.load_format != "dummy")
+        source.check_load_format(args.load_format)
+    except (ModelNotFound, ValueError) as e:
+        parser.error(f"--model: {e}" if not str(e).startswith("--") else str(e))
+
+
+def check_router_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not hasattr(args, "response_role"):
+        return
+    if args.chat_template is not None:
+        try:
+            load_chat_template(args.chat_template)
+        except ValueError as e:
+            parser.error(f"--chat-template: {e}")
+    mode = args.generation_config
+    if mode not in GENERATION_CONFIG_MODES and not (Path(mode).expanduser() / "generation_config.json").is_file():
+        parser.error(f"--generation-config {mode!r}: expected auto, vllm, or a folder with generation_config.json")
+    if args.override_generation_config is not None:
+        try:
+            if not isinstance(json.loads(args.override_generation_config), dict):
+                raise ValueError("expected a JSON object")
+        except ValueError as e:
+            parser.error(f"--override-generation-config: {e}")
+    if args.served_model_name is not None and not all(args.served_model_name):
+        parser.error("--served-model-name: names must not be empty")
 
 
 def _check_lora_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -173,10 +225,10 @@ def _check_lora_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 def main(argv: list[str] | None = None) -> None:
     from common.process import setup_logging
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_engine_args(parser, args)
+    args, notices = parse_args(build_parser(), argv)
     setup_logging(args.log_level)
+    for line in notices:
+        logging.getLogger("pagedserve").warning("%s", line)
     if args.command == "scheduler":
         from scheduler.scheduler_process import run_scheduler
         run_scheduler(engine_config(args), args.frontend, args.workers, args.tensor_parallel_size)
@@ -200,21 +252,27 @@ def serve(args: argparse.Namespace) -> int:
     routers = [engine.spawn(["router", *model, *router_flags(rc, args.log_level)], router_env(rc))
                for _ in range(args.router_replicas)]
     stop = {"signal": None}
+    failed = False
 
     def on_signal(signum, _frame):
         stop["signal"] = signum
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        while stop["signal"] is None and all(r.poll() is None for r in routers) and engine.scheduler.poll() is None:
+        # any child's exit ends the service: a worker that dies while loading (a bad checkpoint) must not
+        # leave the scheduler waiting for it
+        while stop["signal"] is None and all(r.poll() is None for r in routers) and engine.exited() is None:
             time.sleep(0.2)
+        if (why := engine.exited()) is not None:
+            logging.getLogger("pagedserve").error("%s; stopping", why)
+            failed = True
         for r in routers:   # routers first: they drain in-flight requests
             if r.poll() is None:
                 r.send_signal(signal.SIGTERM)
         wait_all(routers, rc.shutdown_timeout + 10)
     finally:
         engine.stop()
-    return 0
+    return 1 if failed else 0
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -229,7 +287,7 @@ def router_flags(config: RouterConfig, log_level: str) -> list[str]:
 
 
 def router_env(config: RouterConfig) -> dict[str, str]:
-    return {API_KEY_ENV: config.api_key or "", "OMP_NUM_THREADS": "1"}
+    return {API_KEY_ENV: json.dumps(config.api_key or []), "OMP_NUM_THREADS": "1"}
 
 
 if __name__ == "__main__":

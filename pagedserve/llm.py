@@ -53,7 +53,7 @@ def engine_config(model: str | None, options: dict[str, Any], api: str) -> Engin
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.config = engine_config(model, kwargs, "LLM")
-        self.source = ModelSource.resolve(model, self.config.load_format != "dummy")
+        self.source = ModelSource.from_config(self.config, self.config.load_format != "dummy")
         self.tokenizer = self.source.load_tokenizer()
         self.eos_token_ids = eos_token_ids(self.source.model_config(), self.tokenizer)
         self.engine = EngineCore(self.config, InprocExecutor(self.config, self.source), self.eos_token_ids)

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from router.config import RouterConfig
+from router.cors import CORSConfig, add_response_headers, cors_middleware
 from router.engine_client import EngineClient
 from router.generation import EngineFailure, Generation
 from router.lora_endpoints import adapter_cards, add_lora_routes
@@ -27,6 +28,8 @@ from router.metrics import RouterMetrics
 from router.openai_protocol import APIError, ModelInfo, ParsedRequest, decode_json_body, render_chat
 from router.openai_render import (API, DONE_EVENT, SSE_HEADERS, ChatAPI, CompletionAPI, SSEEncoder, error_event,
                                   error_response, json_response)
+from router.openapi import add_docs_routes, openapi_document
+from router.tokenize_endpoints import add_tokenize_routes
 
 log = logging.getLogger("pagedserve.router")
 
@@ -48,6 +51,8 @@ class ServerState:
     vocab_size: int
     metrics: RouterMetrics
     max_model_len: int | None = None     # used only until the scheduler's Stats tell the real one
+    aliases: tuple[str, ...] = ()        # the other --served-model-name names
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)   # generation_config.json's
     created: int = field(default_factory=lambda: int(time.time()))
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "tokenize"))
     draining: bool = False
@@ -57,7 +62,8 @@ class ServerState:
 
     def model_info(self) -> ModelInfo:
         lora = bool(self.client.stats and self.client.stats.values.get("max_lora"))
-        return ModelInfo(self.model_name, self.vocab_size, self.client.max_model_len or self.max_model_len or 0, lora)
+        return ModelInfo(self.model_name, self.vocab_size, self.client.max_model_len or self.max_model_len or 0, lora,
+                         self.aliases, self.sampling_defaults)
 
     def not_ready_reason(self) -> str | None:
         if self.draining:
@@ -152,12 +158,21 @@ async def stream_response(request: web.Request, g: Generation, api: API) -> web.
 # ---- other endpoints -------------------------------------------------------------------------------
 async def models(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    card = {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "pagedserve",
-            "root": st.model_root, "max_model_len": st.model_info().max_model_len or None}
-    return json_response({"object": "list", "data": [card] + adapter_cards(st.client, st.model_name, st.created)})
+    cards = [{"id": name, "object": "model", "created": st.created, "owned_by": "pagedserve", "root": st.model_root,
+              "parent": None, "max_model_len": st.model_info().max_model_len or None}
+             for name in (st.model_name, *st.aliases)]
+    return json_response({"object": "list", "data": cards + adapter_cards(st.client, st.model_name, st.created)})
 
 
 async def health(request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+async def ping(request: web.Request) -> web.Response:
+    """SageMaker's health check, as vLLM answers it: 200 unless the engine is dead."""
+    dead = request.app[STATE].client.dead_reason
+    if dead is not None:
+        raise APIError(503, f"the engine is unavailable: {dead}", code="engine_dead")
     return json_response({"status": "ok"})
 
 
@@ -205,14 +220,16 @@ async def errors_middleware(request: web.Request, handler: Callable) -> web.Stre
         return error_response(APIError(500, f"internal error: {type(e).__name__}"))
 
 
-def auth_middleware(api_key: str) -> Callable:
-    expected = f"Bearer {api_key}".encode()
+def auth_middleware(api_keys: list[str]) -> Callable:
+    """vLLM's rule: any of the keys, on the /v1 routes (health, metrics and tokenize stay open)."""
+    expected = [f"Bearer {key}".encode() for key in api_keys]
 
     @web.middleware
     async def check(request: web.Request, handler: Callable) -> web.StreamResponse:
-        if request.path != "/health":
+        if request.path.startswith("/v1/") and request.method != "OPTIONS":
             got = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(got, expected):
+            # every key compared, so the time taken does not tell which prefix matched
+            if not any([hmac.compare_digest(got, e) for e in expected]):
                 raise APIError(401, "Incorrect or missing API key; send it as 'Authorization: Bearer <key>'.",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
@@ -220,20 +237,32 @@ def auth_middleware(api_key: str) -> Callable:
 
 
 # ---- app -------------------------------------------------------------------------------------------
-def build_app(client: EngineClient, tokenizer: Any, model_name: str, *, api_key: str | None = None,
+def build_app(client: EngineClient, tokenizer: Any, model_name: str, *, api_key: str | list[str] | None = None,
               max_body_bytes: int = RouterConfig.max_body_bytes, vocab_size: int, model_root: str | None = None,
-              max_model_len: int | None = None, allow_lora_updates: bool = False) -> web.Application:
+              max_model_len: int | None = None, allow_lora_updates: bool = False, aliases: tuple[str, ...] = (),
+              sampling_defaults: dict[str, Any] | None = None, response_role: str = "assistant",
+              cors: CORSConfig | None = CORSConfig(), docs: bool = True) -> web.Application:
     """The router's aiohttp app. The caller owns `client` (starts and closes it); `max_model_len` is only a
-    fallback for before the scheduler's first Stats, which carry the real value."""
-    middlewares = [errors_middleware] + ([auth_middleware(api_key)] if api_key else [])
+    fallback for before the scheduler's first Stats, which carry the real value. `api_key`: one key or
+    several; `cors`: None for no CORS headers at all."""
+    keys = [api_key] if isinstance(api_key, str) else [k for k in api_key or [] if k]
+    middlewares = [errors_middleware] + ([cors_middleware(cors)] if cors else []) + \
+        ([auth_middleware(keys)] if keys else [])
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
+    if cors:
+        app.on_response_prepare.append(add_response_headers(cors))
     app[STATE] = ServerState(client=client, tokenizer=tokenizer, model_name=model_name,
                              model_root=model_root or model_name, vocab_size=vocab_size,
-                             metrics=RouterMetrics(client, model_name), max_model_len=max_model_len)
+                             metrics=RouterMetrics(client, model_name), max_model_len=max_model_len,
+                             aliases=tuple(aliases), sampling_defaults=dict(sampling_defaults or {}))
     app.router.add_post("/v1/completions", generation_handler(CompletionAPI()))
-    app.router.add_post("/v1/chat/completions", generation_handler(ChatAPI()))
+    app.router.add_post("/v1/chat/completions", generation_handler(ChatAPI(response_role)))
     app.router.add_get("/v1/models", models)
     add_lora_routes(app, lambda request: request.app[STATE].client, allow_lora_updates)
+    add_tokenize_routes(app, lambda request: request.app[STATE])
+    if docs:
+        add_docs_routes(app, openapi_document(package_version(), allow_lora_updates, bool(keys)))
+    app.router.add_route("*", "/ping", ping)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

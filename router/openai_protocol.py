@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -53,6 +53,9 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int
     lora_enabled: bool = False     # other model names are adapter names, for the scheduler to resolve
+    aliases: tuple[str, ...] = ()  # --served-model-name's other names: the base model too
+    # generation_config.json's defaults (SamplingParams names), for fields a request leaves out
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -146,7 +149,7 @@ def check_model(body: dict, model: ModelInfo) -> str | None:
     an adapter name: the scheduler holds the adapters (loaded at run time through any router replica) and
     answers 404 for a name it does not know."""
     name = _str(body, "model")
-    if name is None or name == model.name:
+    if name is None or name == model.name or name in model.aliases:
         return None
     if model.lora_enabled:
         return name
@@ -154,7 +157,7 @@ def check_model(body: dict, model: ModelInfo) -> str | None:
                    param="model", code="model_not_found")
 
 
-def _token_ids(v: Any, model: ModelInfo, param: str) -> list[int]:
+def token_ids(v: Any, model: ModelInfo, param: str) -> list[int]:
     if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
         raise bad(f"'{param}' must be a list of integer token ids", param)
     bad_ids = [t for t in v if not 0 <= t < model.vocab_size]
@@ -243,13 +246,16 @@ def _sampling_params(body: dict, model: ModelInfo, max_tokens: int | None, logpr
         min_p=_float(body, "min_p"), seed=_int(body, "seed"),
         presence_penalty=_float(body, "presence_penalty"), frequency_penalty=_float(body, "frequency_penalty"),
         repetition_penalty=_float(body, "repetition_penalty"),
-        stop_token_ids=_token_ids(body["stop_token_ids"], model, "stop_token_ids")
+        stop_token_ids=token_ids(body["stop_token_ids"], model, "stop_token_ids")
         if body.get("stop_token_ids") is not None else None,
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         skip_special_tokens=_bool(body, "skip_special_tokens"), ignore_eos=_bool(body, "ignore_eos"),
         min_tokens=_int(body, "min_tokens"),
     )
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    for k, v in model.sampling_defaults.items():       # where the request is silent, as vLLM applies them
+        if k != "max_tokens" and k not in kwargs:
+            kwargs[k] = -1 if k == "top_k" and (v == 0 or v >= model.vocab_size) else v
     try:
         return SamplingParams(max_tokens=max_tokens, stop=_stop(body), logit_bias=_logit_bias(body, model),
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, **kwargs)
@@ -314,7 +320,7 @@ def _tokenize_prompt(p: str | list[int], tokenizer: Any, model: ModelInfo) -> Pr
         ids = encode(tokenizer, p, "prompt") if p else []
         text = p
     else:
-        ids, text = _token_ids(p, model, "prompt"), None
+        ids, text = token_ids(p, model, "prompt"), None
     if not ids:
         raise bad("the prompt must not be empty", "prompt")
     return PromptInput(list(ids), text)
@@ -338,6 +344,8 @@ def parse_chat_request(body: dict, tokenizer: Any, model: ModelInfo) -> ParsedRe
     if not ids:
         raise bad("the rendered chat prompt is empty", "messages")
     max_tokens = check_length(len(ids), requested, model, "messages")
+    if requested is None and "max_tokens" in model.sampling_defaults:     # generation_config's max_new_tokens
+        max_tokens = min(max_tokens, int(model.sampling_defaults["max_tokens"]))
     params = _sampling_params(body, model, max_tokens, logprobs, None)
     return ParsedRequest(True, [PromptInput(ids, text)], params, stream, include_usage, False, logprobs,
                          _str(body, "user"), lora_name)
@@ -378,10 +386,14 @@ def _content(c: Any, role: str, i: int) -> str:
     raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
-def render_chat(messages: list[dict[str, Any]], tokenizer: Any) -> str:
+def render_chat(messages: list[dict[str, Any]], tokenizer: Any, *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> str:
     if not getattr(tokenizer, "chat_template", None):
-        raise bad("this model has no chat template; use /v1/completions", "messages")
+        raise bad("this model has no chat template; use /v1/completions or start with --chat-template", "messages")
+    if add_generation_prompt and continue_final_message:
+        raise bad("'add_generation_prompt' and 'continue_final_message' cannot both be true", "messages")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message)
     except Exception as e:   # template errors (e.g. "roles must alternate") are the client's input
         raise bad(f"the messages could not be rendered with the model's chat template: {e}", "messages") from None

@@ -150,9 +150,12 @@ class ChatAPI:
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
     parse = staticmethod(parse_chat_request)
 
+    def __init__(self, response_role: str = "assistant") -> None:
+        self.role = response_role           # --response-role
+
     def preamble(self, g: Generation) -> list[dict[str, Any]]:
         """The role goes first, in a delta of its own per choice, as OpenAI streams it."""
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return [{"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(len(g.streams))]
 
     def stream_choice(self, g: Generation, s: SubRequest, d: ChoiceDelta) -> dict[str, Any] | None:
@@ -163,7 +166,7 @@ class ChatAPI:
                 "logprobs": logprobs, "finish_reason": d.finish_reason}
 
     def full_choice(self, g: Generation, s: SubRequest, c: Choice) -> dict[str, Any]:
-        return {"index": s.first_index + c.index, "message": {"role": "assistant", "content": c.text},
+        return {"index": s.first_index + c.index, "message": {"role": self.role, "content": c.text},
                 "logprobs": self._logprobs(g, c.token_ids, c.logprobs), "finish_reason": c.finish_reason}
 
     @staticmethod

@@ -6,16 +6,19 @@ signal handlers or a model on disk; everything this module needs to know comes i
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 from typing import Any
 
 from aiohttp import web
 
+from common.chat_template import load_chat_template
 from common.model_source import ModelSource
 from common.protocol import HEARTBEAT_S
 from router.app import ABORT_GRACE_S, STATE, build_app, drain
 from router.config import RouterConfig, runtime_lora_updating_allowed
+from router.cors import CORSConfig
 from router.engine_client import EngineClient
 
 log = logging.getLogger("pagedserve.router")
@@ -32,16 +35,25 @@ def run_router(config: RouterConfig) -> None:
 
 
 async def _serve(config: RouterConfig) -> None:
-    source, tokenizer, vocab_size = await _load_model(config.model)
+    source, tokenizer, vocab_size = await _load_model(config)
+    if config.chat_template is not None:
+        tokenizer.chat_template = load_chat_template(config.chat_template)
+    defaults = source.generation_defaults(config.generation_config)
+    defaults.update(json.loads(config.override_generation_config or "{}"))
+    if defaults:
+        log.info("request defaults from the generation config: %s", defaults)
+    names = config.served_model_name or [source.name]
     client = EngineClient(config.frontend_address)
     await client.start()
     # A replica joining a running engine binds the shared port only once it has heard the scheduler: the
     # kernel hands it connections at once, and until the first Stats it would answer them 503 "starting"
     # while its siblings serve. An engine still starting sends nothing for a while: bind anyway.
     await client.wait_for_stats(3 * HEARTBEAT_S)
-    app = build_app(client, tokenizer, config.served_model_name or source.name, api_key=config.api_key,
+    cors = CORSConfig(config.allowed_origins, config.allowed_methods, config.allowed_headers, config.allow_credentials)
+    app = build_app(client, tokenizer, names[0], aliases=tuple(names[1:]), api_key=config.api_key,
                     max_body_bytes=config.max_body_bytes, vocab_size=vocab_size, model_root=str(source.path),
-                    allow_lora_updates=runtime_lora_updating_allowed())
+                    allow_lora_updates=runtime_lora_updating_allowed(), sampling_defaults=defaults,
+                    response_role=config.response_role, cors=cors, docs=not config.disable_fastapi_docs)
     runner = await _start_site(app, config)
     log.info("router %s serving %s on http://%s:%s", client.client_id, app[STATE].model_name, config.host,
              config.port)
@@ -55,10 +67,10 @@ async def _serve(config: RouterConfig) -> None:
         await client.close()
 
 
-async def _load_model(model: str | None) -> tuple[ModelSource, Any, int]:
+async def _load_model(config: RouterConfig) -> tuple[ModelSource, Any, int]:
     """The model's source, tokenizer and vocabulary size; the weights stay with the workers."""
     loop = asyncio.get_running_loop()
-    source = ModelSource.resolve(model)
+    source = ModelSource.from_config(config)
     tokenizer = await loop.run_in_executor(None, source.load_tokenizer)
     vocab_size = (await loop.run_in_executor(None, source.model_config)).vocab_size
     return source, tokenizer, vocab_size

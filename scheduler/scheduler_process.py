@@ -44,7 +44,7 @@ class SchedulerProcess:
         self.inflight: list[SchedulerOutput] = []
         self.last_heartbeat = self.last_log = 0.0
         self.last_counts = (0, 0, time.monotonic())
-        source = ModelSource.resolve(config.model, config.load_format != "dummy")
+        source = ModelSource.from_config(config, config.load_format != "dummy")
         eos = eos_token_ids(source.model_config(), source.load_tokenizer())
         self.executor = ZmqExecutor(self.ctx, workers, num_workers)
         self.core = EngineCore(config, self.executor, eos)

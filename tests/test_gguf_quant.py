@@ -129,8 +129,10 @@ def test_a_fused_layer_of_mixed_types_keeps_every_shard():
     assert layer.packed is not None and layer.packed.bits == 8 and layer.packed.group == 16
     assert "weight" not in dict(layer.named_parameters())
     w = torch.cat([ref_weights(shards[s]) for s in ("q", "k", "v")])
-    x = torch.randn(5, 256)
-    assert torch.allclose(layer(x), x @ w.t() + layer.bias, atol=1e-5)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+    want = x.double() @ w.double().t() + layer.bias.double()
+    # relative to the largest output: random k-quant blocks have scales of any magnitude
+    assert ((layer(x).double() - want).abs().max() / want.abs().max()).item() < 1e-6
 
 
 def test_a_plain_shard_in_a_quantized_layer_expands_the_layer():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -20,7 +21,7 @@ from common.protocol import EngineOutput, EngineRequest, Stats, encode
 from common.sampling_params import MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, SamplingParams
 from pagedserve import cli
 from router.app import build_app, drain
-from router.config import API_KEY_ENV, RouterConfig
+from router.config import API_KEY_ENV, VLLM_API_KEY_ENV, RouterConfig
 from router.engine_client import EngineRejected
 from router.openai_protocol import (APIError, ModelInfo, decode_json_body, parse_chat_request,
                                     parse_completion_request)
@@ -287,28 +288,38 @@ def test_fuzzed_bodies_parse_or_fail_cleanly(tok, info, body, prompt, messages):
 # ---- RouterConfig <-> the CLI ----------------------------------------------------------------------
 def test_router_flags_are_router_config_fields(monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.delenv(VLLM_API_KEY_ENV, raising=False)
     assert cli.router_config(cli.build_parser().parse_args(["router"])) == RouterConfig()
     argv = ["router", "m", "--connect", "tcp://s:1", "--host", "0.0.0.0", "--port", "9", "--served-model-name", "x",
-            "--api-key", "k", "--max-body-bytes", "7", "--shutdown-timeout", "2.5", "--access-log"]
+            "y", "--api-key", "k", "--max-body-bytes", "7", "--shutdown-timeout", "2.5", "--access-log",
+            "--allowed-origins", '["https://a.example"]', "--allowed-methods", "GET,POST"]
     assert cli.router_config(cli.build_parser().parse_args(argv)) == RouterConfig(
-        model="m", frontend_address="tcp://s:1", host="0.0.0.0", port=9, served_model_name="x", api_key="k",
-        max_body_bytes=7, shutdown_timeout=2.5, access_log=True)
+        model="m", frontend_address="tcp://s:1", host="0.0.0.0", port=9, served_model_name=["x", "y"],
+        api_key=["k"], max_body_bytes=7, shutdown_timeout=2.5, access_log=True,
+        allowed_origins=["https://a.example"], allowed_methods=["GET", "POST"])
 
 
 def test_api_key_defaults_from_the_environment(monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.setenv(VLLM_API_KEY_ENV, "from-vllm-env")            # vLLM's variable, when ours is unset
+    assert cli.router_config(cli.build_parser().parse_args(["router"])).api_key == ["from-vllm-env"]
     monkeypatch.setenv(API_KEY_ENV, "from-env")
-    assert cli.router_config(cli.build_parser().parse_args(["router"])).api_key == "from-env"
-    assert cli.router_config(cli.build_parser().parse_args(["router", "--api-key", "k"])).api_key == "k"
+    assert cli.router_config(cli.build_parser().parse_args(["router"])).api_key == ["from-env"]
+    monkeypatch.setenv(API_KEY_ENV, '["a", "b"]')
+    assert cli.router_config(cli.build_parser().parse_args(["router"])).api_key == ["a", "b"]
+    assert cli.router_config(cli.build_parser().parse_args(["router", "--api-key", "k"])).api_key == ["k"]
 
 
 def test_serve_hands_its_router_config_to_child_routers(monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-    args = cli.build_parser().parse_args(["serve", "m", "--port", "8001", "--served-model-name", "x",
-                                          "--api-key", "s3cret", "--max-body-bytes", "7", "--access-log"])
+    args = cli.build_parser().parse_args(["serve", "m", "--port", "8001", "--served-model-name", "x", "x2",
+                                          "--api-key", "s3cret", "other", "--max-body-bytes", "7", "--access-log",
+                                          "--allowed-origins", '["https://a.example"]', "--tokenizer", "t"])
     config = cli.router_config(args, frontend_address="ipc:///tmp/f.ipc")
     flags = cli.router_flags(config, args.log_level)
-    assert "s3cret" not in flags and cli.router_env(config)[API_KEY_ENV] == "s3cret"     # not on argv
-    monkeypatch.setenv(API_KEY_ENV, "s3cret")
+    env = cli.router_env(config)[API_KEY_ENV]
+    assert "s3cret" not in " ".join(flags) and json.loads(env) == ["s3cret", "other"]     # not on argv
+    monkeypatch.setenv(API_KEY_ENV, env)
     child = cli.build_parser().parse_args(["router", "m", *flags])
     assert cli.router_config(child) == config and child.log_level == args.log_level
 
@@ -612,19 +623,23 @@ def test_http_errors_are_openai_shaped(tok, path):
     run_http(tok, scenario, max_body_bytes=4096)
 
 
-def test_api_key(tok):
+def test_api_keys_guard_the_v1_routes_as_vllm_does(tok):
+    """Any of several keys opens /v1/*; health, readiness, metrics, version and tokenize stay open, as in vLLM."""
     async def scenario(client, engine, app):
-        assert (await client.get("/health")).status == 200
-        for path in ("/v1/models", "/ready", "/metrics", "/version"):
-            assert (await client.get(path)).status == 401
-            assert (await client.get(path, headers={"Authorization": "Bearer wrong"})).status == 401
-            assert (await client.get(path, headers={"Authorization": "Bearer s3cret"})).status == 200
+        for path in ("/health", "/ready", "/metrics", "/version", "/ping"):
+            assert (await client.get(path)).status == 200, path
+        assert (await post(client, "/tokenize", {"prompt": "Hi"})).status == 200
+        for key in ("s3cret", "other"):
+            r = await client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert r.status == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer s3cre"}):
+            assert (await client.get("/v1/models", headers=headers)).status == 401
         r = await post(client, "/v1/completions", {"prompt": "Hi"})
         assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
         r = await client.post("/v1/completions", data=b'{"prompt": "Hi"}',
-                              headers={"Content-Type": "application/json", "Authorization": "Bearer s3cret"})
+                              headers={"Content-Type": "application/json", "Authorization": "Bearer other"})
         assert r.status == 200
-    run_http(tok, scenario, api_key="s3cret")
+    run_http(tok, scenario, api_key=["s3cret", "other"])
 
 
 def test_models_version_metrics(tok):
