@@ -109,6 +109,7 @@ class EngineConfig:
     tokenizer: str | None = None          # a different folder or hub id for the tokenizer (vLLM's --tokenizer)
     revision: str | None = None           # hub ids: the branch, tag or commit to take from the local cache
     download_dir: str | None = None       # hub ids: the cache folder (default: huggingface_hub's)
+    generation_config: str = "auto"       # request defaults: auto (the model's), vllm (none), or a folder
     dtype: str = "auto"
     quantization: str = field(default="auto", metadata={"aliases": ("-q",)})   # QUANTIZATION_METHODS
     kv_cache_dtype: str = "auto"          # one of KV_CACHE_DTYPES

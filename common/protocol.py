@@ -82,6 +82,11 @@ class CachedSequenceData:
     num_new_tokens: int
 
 
+# vllm:iteration_tokens_total's buckets (tokens per engine step, as vLLM v1 fixes them); the scheduler
+# counts steps per bucket (Stats "iteration_tokens", +Inf last) and the routers expose the histogram
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @dataclass
 class SchedulerOutput:
     step_id: int

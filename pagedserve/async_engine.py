@@ -25,11 +25,11 @@ from common.output_processor import RequestTracker
 from common.protocol import STARTUP_TIMEOUT_S, EngineOutput
 from common.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.cli_args import config_flags
+from pagedserve.prompts import PromptType, prompt_input
 from pagedserve.engine_processes import EngineProcesses
 from pagedserve.llm import CompletionOutput, RequestOutput, engine_config, request_output
 from router.engine_client import EngineClient, EngineDead, EngineRejected
 
-PromptType = str | list[int] | dict[str, Any]
 
 
 class EngineDeadError(RuntimeError):
@@ -113,13 +113,7 @@ class AsyncLLMEngine:
 
     def encode_prompt(self, prompt: PromptType) -> list[int]:
         """Token ids of a string, a token-id list, or {"prompt": str} / {"prompt_token_ids": [...]}."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self.tokenizer.encode(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return prompt_input(prompt, self.tokenizer)[0]
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None,
@@ -128,9 +122,8 @@ class AsyncLLMEngine:
         has finished=True. Leaving the loop early (break, cancellation, an exception) aborts the request.
         `lora_request`: the adapter to run under (loaded on first use; the engine needs enable_lora)."""
         sp = sampling_params or SamplingParams()
-        ids = self.encode_prompt(prompt)
+        ids, text = prompt_input(prompt, self.tokenizer)
         rid = request_id or uuid.uuid4().hex
-        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         client = await self._ready()
         self._raise_if_dead()
         try:

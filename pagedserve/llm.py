@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
+from common.chat_template import load_chat_template
 from common.config import EngineConfig
 from common.lora import LoRARequest
 from common.model_source import ModelSource, eos_token_ids
@@ -17,6 +18,7 @@ from common.protocol import EngineRequest, Logprob
 from common.sampling_params import SamplingParams
 from scheduler.engine_core import EngineCore
 from pagedserve.inproc_executor import InprocExecutor
+from pagedserve.prompts import PromptType, prompt_input, prompt_list
 
 log = logging.getLogger("pagedserve")
 
@@ -56,6 +58,7 @@ class LLM:
         self.source = ModelSource.from_config(self.config, self.config.load_format != "dummy")
         self.tokenizer = self.source.load_tokenizer()
         self.eos_token_ids = eos_token_ids(self.source.model_config(), self.tokenizer)
+        self.sampling_defaults = self.source.generation_defaults(self.config.generation_config)
         self.engine = EngineCore(self.config, InprocExecutor(self.config, self.source), self.eos_token_ids)
         self._ids = itertools.count()
 
@@ -63,14 +66,19 @@ class LLM:
     def stats(self):
         return self.engine.scheduler.stats
 
-    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() uses when given none: the generation config's defaults (vLLM's method)."""
+        return SamplingParams(**self.sampling_defaults)
+
+    def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """`lora_request`: the adapter every prompt runs under, or one per prompt (None: the base model)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        """`prompts`: strings, token-id lists, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dicts.
+        `lora_request`: the adapter every prompt runs under, or one per prompt (None: the base model)."""
+        prompts = prompt_list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else \
+            [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
@@ -80,8 +88,7 @@ class LLM:
         order = []
         try:
             for prompt, sp, lora in zip(prompts, params, loras):
-                text = prompt if isinstance(prompt, str) else None
-                ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+                ids, text = prompt_input(prompt, self.tokenizer)
                 rid = str(next(self._ids))
                 self.engine.add_request(EngineRequest(rid, ids, sp, lora_request=lora))
                 trackers[rid] = (RequestTracker(rid, ids, sp, self.tokenizer), text)
@@ -93,9 +100,13 @@ class LLM:
         return [request_output(*trackers[rid]) for rid in order]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """`chat_template`: a file or the Jinja text, instead of the tokenizer's (vLLM's argument)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in convs]
+        template = load_chat_template(chat_template) if chat_template is not None else None
+        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True,
+                                                      chat_template=template) for c in convs]
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         outs = self.generate(ids, sampling_params, use_tqdm)
         for o, p in zip(outs, prompts):

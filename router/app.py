@@ -253,7 +253,8 @@ def build_app(client: EngineClient, tokenizer: Any, model_name: str, *, api_key:
         app.on_response_prepare.append(add_response_headers(cors))
     app[STATE] = ServerState(client=client, tokenizer=tokenizer, model_name=model_name,
                              model_root=model_root or model_name, vocab_size=vocab_size,
-                             metrics=RouterMetrics(client, model_name), max_model_len=max_model_len,
+                             metrics=RouterMetrics(client, model_name, max_model_len or 1 << 17),
+                             max_model_len=max_model_len,
                              aliases=tuple(aliases), sampling_defaults=dict(sampling_defaults or {}))
     app.router.add_post("/v1/completions", generation_handler(CompletionAPI()))
     app.router.add_post("/v1/chat/completions", generation_handler(ChatAPI(response_role)))

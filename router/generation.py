@@ -146,7 +146,7 @@ class Generation:
         if delta.finish_reason is not None:
             s.timer.on_choice_finished(delta.finish_reason)
             if s.tracker.finished:
-                s.timer.on_request_finished(now)
+                s.timer.on_request_finished(now, s.tracker)
                 self._forget(s)
         return s, delta
 

@@ -127,8 +127,7 @@ class Scheduler:
         if self._step_loras:
             out.lora_loads = self.lora_slots.place(self._step_loras)
         if out.new_seqs or out.cached_seqs:
-            self.stats.num_steps += 1
-            self.stats.num_step_seqs += len(out.new_seqs) + len(out.cached_seqs)
+            self.stats.observe_step(len(out.new_seqs) + len(out.cached_seqs), out.total_num_tokens)
         return out
 
     def _swap_in(self, out: SchedulerOutput, budget: int, lora_keys: set[int]) -> int:

@@ -209,7 +209,9 @@ class SchedulerProcess:
                 "num_requests": self.sched.num_unfinished_requests,
                 "spec_num_drafts": st.spec_num_drafts, "spec_num_draft_tokens": st.spec_num_draft_tokens,
                 "spec_num_accepted_tokens": st.spec_num_accepted_tokens,
-                "spec_accepted_per_pos": list(st.spec_accepted_per_pos), **self._lora_values()}
+                "spec_accepted_per_pos": list(st.spec_accepted_per_pos),
+                "iteration_tokens": list(st.iteration_tokens), "iteration_tokens_sum": st.iteration_tokens_sum,
+                **self._lora_values()}
 
     def _lora_values(self) -> dict:
         """For /v1/models and the lora metrics: adapters served, those running and waiting, requests each."""

@@ -1,7 +1,10 @@
 """The scheduler's counters: what the Stats heartbeat, the metrics and the logs report."""
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
+
+from common.protocol import ITERATION_TOKEN_BUCKETS
 
 
 @dataclass
@@ -21,3 +24,12 @@ class SchedulerStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)   # [i]: steps that accepted draft i
     finished: dict[str, int] = field(default_factory=dict)
+    # steps by tokens scheduled, per bucket of ITERATION_TOKEN_BUCKETS (+Inf last), and their total
+    iteration_tokens: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
+    iteration_tokens_sum: int = 0
+
+    def observe_step(self, num_seqs: int, num_tokens: int) -> None:
+        self.num_steps += 1
+        self.num_step_seqs += num_seqs
+        self.iteration_tokens[bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
+        self.iteration_tokens_sum += num_tokens

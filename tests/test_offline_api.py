@@ -313,3 +313,31 @@ def test_chat_on_the_default_model_knows_paris() -> None:
     assert len(out) == 1
     assert out[0].prompt is not None and "What is the capital of France?" in out[0].prompt
     assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
+
+
+# ---- vLLM's forms ------------------------------------------------------------------------------------
+def test_min_tokens_holds_back_eos_even_with_ignore_eos(tiny: Tiny) -> None:
+    """vLLM and HF's min_new_tokens mask EOS until min_tokens whatever ignore_eos says."""
+    eos = tiny.tokenizer.eos_token_id
+    c = one(tiny.llm, tiny.prompt, temperature=0.0, max_tokens=6, logit_bias={eos: 100.0}, min_tokens=3,
+            ignore_eos=True)
+    assert eos not in c.token_ids[:3] and c.token_ids[3:] == [eos] * 3 and c.finish_reason == "length"
+
+
+def test_vllm_prompt_dicts(tiny: Tiny, greedy: CompletionOutput) -> None:
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    text = tiny.tokenizer.decode(tiny.prompt)
+    outs = tiny.llm.generate([{"prompt_token_ids": tiny.prompt}, {"prompt": text}, text], sp, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == greedy.token_ids
+    assert outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids and outs[1].prompt == text
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        tiny.llm.generate({"prompt": text, "multi_modal_data": {}}, sp, use_tqdm=False)
+
+
+def test_generation_config_defaults_when_no_params_are_given(tiny: Tiny, greedy: CompletionOutput,
+                                                             tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 5}')
+    llm = LLM(str(tiny.folder), generation_config=str(tmp_path), kv_cache_memory=0.05, swap_space=0)
+    assert llm.get_default_sampling_params().max_tokens == 5
+    out = llm.generate({"prompt_token_ids": tiny.prompt}, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == greedy.token_ids[:5]

@@ -129,3 +129,23 @@ def test_the_response_role(tok):
         events = await sse(await post(client, "/v1/chat/completions", {**body, "stream": True}))
         assert events[0]["choices"][0]["delta"]["role"] == "bot"
     run_http(tok, scenario, response_role="bot")
+
+
+def test_iteration_tokens_fall_in_vllms_buckets():
+    from common.protocol import ITERATION_TOKEN_BUCKETS
+    from router.metrics import EngineStatsCollector
+    from scheduler.stats import SchedulerStats
+    st = SchedulerStats()
+    for tokens in (1, 8, 9, 512, 20000):
+        st.observe_step(1, tokens)
+    index = {b: i for i, b in enumerate(ITERATION_TOKEN_BUCKETS)}
+    assert st.iteration_tokens[index[1]] == 1 and st.iteration_tokens[index[8]] == 1
+    assert st.iteration_tokens[index[16]] == 1 and st.iteration_tokens[index[512]] == 1
+    assert st.iteration_tokens[-1] == 1 and st.iteration_tokens_sum == 1 + 8 + 9 + 512 + 20000
+
+    class Client:
+        stats = type("S", (), {"values": {"iteration_tokens": st.iteration_tokens,
+                                          "iteration_tokens_sum": st.iteration_tokens_sum}})()
+    fam = next(f for f in EngineStatsCollector(Client(), "m").collect() if f.name == "vllm:iteration_tokens_total")
+    buckets = {s.labels["le"]: s.value for s in fam.samples if s.name.endswith("_bucket")}
+    assert (buckets["1.0"], buckets["16.0"], buckets["16384.0"], buckets["+Inf"]) == (1, 3, 4, 5)
