@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -88,16 +89,17 @@ _SIZE_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 
 
 def parse_size(text: str) -> int:
     """An integer flag as vLLM reads one: plain ("32768"), decimal units ("32k" = 32,000, "25.6k"), or
-    binary units ("32K" = 32,768)."""
+    binary units ("32K" = 32,768; whole numbers only, as vLLM)."""
     t = str(text).strip().replace("_", "")
     unit = _SIZE_UNITS.get(t[-1:]) if t else None
     try:
         if unit is None:
             return int(t)
-        value = float(t[:-1]) * unit
-    except ValueError:
+        number = Decimal(t[:-1])
+    except (ValueError, InvalidOperation):
         raise ValueError(f"{text!r} is not an integer or a size such as 32k or 32K") from None
-    if not value.is_integer():
+    value = number * unit
+    if value != value.to_integral_value() or (t[-1].isupper() and number != number.to_integral_value()):
         raise ValueError(f"{text!r} is not a whole number of tokens")
     return int(value)
 

@@ -80,8 +80,9 @@ def check_lora_config(enable_lora: bool, max_loras: int, max_lora_rank: int, max
 
 
 def parse_lora_module(spec: str) -> LoRARequest:
-    """One `--lora-modules` entry: `name=path`, or vLLM's JSON `{"name", "path", "base_model_name"}`."""
-    spec = spec.strip()
+    """One `--lora-modules` entry: `name=path`, or vLLM's JSON `{"name", "path", "base_model_name"}` (also as
+    a dict, from LLM(lora_modules=[...]))."""
+    spec = json.dumps(spec) if isinstance(spec, dict) else spec.strip()
     if spec.startswith("{"):
         try:
             raw = json.loads(spec)

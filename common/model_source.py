@@ -42,15 +42,14 @@ class ModelSource:
     path: Path
     kind: str  # "hf" or "gguf"
     name: str
-    tokenizer_path: Path | None = None    # --tokenizer: a folder of its own; None: the model's
+    tokenizer_path: Path | None = None    # --tokenizer: a folder or .gguf file of its own; None: the model's
 
     @classmethod
     def from_config(cls, config: Any, require_weights: bool = True) -> "ModelSource":
         """From an EngineConfig or a RouterConfig: their model, tokenizer, revision and download_dir."""
         source = cls.resolve(config.model, require_weights, revision=config.revision, download_dir=config.download_dir)
         if config.tokenizer:
-            source.tokenizer_path = cls.resolve(config.tokenizer, False, revision=config.revision,
-                                                download_dir=config.download_dir).folder
+            source.tokenizer_path = resolve_tokenizer(config.tokenizer, config.revision, config.download_dir)
         return source
 
     @classmethod
@@ -92,19 +91,24 @@ class ModelSource:
             raise ValueError(f"--load-format {load_format} does not match {self.name!r}, which is "
                              f"{'a GGUF file' if self.kind == 'gguf' else 'a safetensors folder'}")
 
-    def generation_defaults(self, mode: str = "auto") -> dict[str, Any]:
-        """Request defaults from generation_config.json (SamplingParams names): mode auto reads the
-        model's own, a folder reads that folder's, vllm reads none (vLLM's --generation-config)."""
-        if mode == "vllm":
-            return {}
-        folder = self.path if mode == "auto" else Path(mode).expanduser()
-        if mode != "auto" and not (folder / "generation_config.json").is_file():
-            raise ModelNotFound(f"--generation-config {mode}: no generation_config.json in that folder")
-        if mode == "auto" and self.kind != "hf":
-            return {}
-        f = folder / "generation_config.json"
-        cfg = json.loads(f.read_text()) if f.is_file() else {}
-        return {ours: cfg[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if cfg.get(theirs) is not None}
+    def generation_defaults(self, mode: str = "auto", override: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Request defaults from generation_config.json, in SamplingParams names: mode auto reads the
+        model's own, a folder reads that folder's, vllm reads none (vLLM's --generation-config). `override`
+        (--override-generation-config) is merged over the file in its names, as vLLM merges it; fields
+        that are not sampling defaults are dropped. top_k 0 means off, as in HF."""
+        cfg: dict[str, Any] = {}
+        if mode != "vllm":
+            folder = self.path if mode == "auto" else Path(mode).expanduser()
+            f = folder / "generation_config.json"
+            if mode != "auto" and not f.is_file():
+                raise ModelNotFound(f"--generation-config {mode}: no generation_config.json in that folder")
+            if f.is_file() and (mode != "auto" or self.kind == "hf"):
+                cfg = json.loads(f.read_text())
+        cfg.update(override or {})
+        out = {ours: cfg[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if cfg.get(theirs) is not None}
+        if out.get("top_k") == 0:
+            out["top_k"] = -1
+        return out
 
     # ---- architecture -------------------------------------------------------------------------
     def quantization_config(self) -> dict[str, Any] | None:
@@ -167,31 +171,51 @@ class ModelSource:
     def load_tokenizer(self):
         """HF folders load directly; a GGUF's tokenizer is converted once by transformers and cached."""
         from transformers import AutoTokenizer
-        if self.tokenizer_path is not None:
-            return AutoTokenizer.from_pretrained(str(self.tokenizer_path))
-        if self.kind == "hf":
-            return AutoTokenizer.from_pretrained(str(self.path))
-        st = self.path.stat()
-        key = hashlib.sha1(f"{self.path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-        cache = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve")) / "tokenizers" / key
-        if (cache / "tokenizer_config.json").is_file():
-            try:
-                return AutoTokenizer.from_pretrained(str(cache))
-            except Exception:  # a damaged cache is rebuilt below
-                pass
-        tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        path = self.tokenizer_path or self.path
+        if path.is_dir():
+            return AutoTokenizer.from_pretrained(str(path))
+        return gguf_tokenizer(path)
+
+
+def gguf_tokenizer(path: Path):
+    """A GGUF file's tokenizer, converted once by transformers and cached by the file's identity."""
+    from transformers import AutoTokenizer
+    st = path.stat()
+    key = hashlib.sha1(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve")) / "tokenizers" / key
+    if (cache / "tokenizer_config.json").is_file():
         try:
-            cache.mkdir(parents=True, exist_ok=True)
-            tok.save_pretrained(str(cache))
-        except OSError:
+            return AutoTokenizer.from_pretrained(str(cache))
+        except Exception:  # a damaged cache is rebuilt below
             pass
-        return tok
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(str(cache))
+    except OSError:
+        pass
+    return tok
+
+
+def resolve_tokenizer(value: str, revision: str | None, download_dir: str | None) -> Path:
+    """--tokenizer: a folder (any that AutoTokenizer loads: no config.json needed), a .gguf file, or a hub
+    id in the local cache."""
+    p = Path(value).expanduser()
+    if p.is_dir() or (p.is_file() and p.suffix == ".gguf"):
+        return p.resolve()
+    if is_hub_id(value):
+        return hub_snapshot(value, revision, download_dir)
+    raise ModelNotFound(f"--tokenizer {value!r}: expected a tokenizer folder, a .gguf file or a hub id (org/name)")
 
 
 def is_hub_id(model: str) -> bool:
     """`org/name`: one slash, neither part a path component of its own."""
     parts = model.split("/")
     return len(parts) == 2 and all(parts) and not model.startswith((".", "~")) and ".." not in parts
+
+
+# What a hub snapshot needs here: configs, weights, tokenizer files, chat templates (not *.bin or *.pth)
+HUB_FILES = ["*.json", "*.safetensors", "*.gguf", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 
 
 def hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None) -> Path:
@@ -201,7 +225,8 @@ def hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None) -
     from huggingface_hub.errors import LocalEntryNotFoundError
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     try:
-        return Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir, local_files_only=offline))
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir, local_files_only=offline,
+                                      allow_patterns=HUB_FILES))
     except LocalEntryNotFoundError:
         where = download_dir or os.environ.get("HF_HUB_CACHE") or "the Hugging Face cache"
         raise ModelNotFound(f"model {repo_id!r}{f' (revision {revision})' if revision else ''} is not in {where}"

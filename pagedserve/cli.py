@@ -17,6 +17,7 @@ from common.config import (DTYPES, GENERATION_CONFIG_MODES, KV_CACHE_DTYPES, LOA
                            QUANTIZATION_METHODS, EngineConfig)
 from common.lora import check_lora_config
 from common.model_source import ModelNotFound, ModelSource
+from common.sampling_params import SamplingParams
 from common.speculative import SpeculativeConfig
 from pagedserve.cli_args import add_config_args, config_flags, config_from_args
 from pagedserve.engine_processes import EngineProcesses, wait_all
@@ -51,7 +52,7 @@ _ENGINE_HELP = {
 }
 _ROUTER_HELP = {
     "frontend_address": "the scheduler's frontend address",
-    "served_model_name": "the model ids clients may send; responses carry the first (default: the model's name)",
+    "served_model_name": "the model ids clients may send (responses echo the one sent; default: the model's name)",
     "api_key": f"require 'Authorization: Bearer KEY' (one of these keys) on /v1/* (default: ${API_KEY_ENV} or "
                "$VLLM_API_KEY)",
     "chat_template": "the chat template: a file, or the Jinja template itself (default: the tokenizer's)",
@@ -204,12 +205,14 @@ def check_router_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     mode = args.generation_config
     if mode not in GENERATION_CONFIG_MODES and not (Path(mode).expanduser() / "generation_config.json").is_file():
         parser.error(f"--generation-config {mode!r}: expected auto, vllm, or a folder with generation_config.json")
-    if args.override_generation_config is not None:
-        try:
-            if not isinstance(json.loads(args.override_generation_config), dict):
-                raise ValueError("expected a JSON object")
-        except ValueError as e:
-            parser.error(f"--override-generation-config: {e}")
+    try:
+        override = json.loads(args.override_generation_config or "{}")
+        if not isinstance(override, dict):
+            raise ValueError("expected a JSON object")
+        defaults = ModelSource.from_config(args, False).generation_defaults(mode, override)
+        SamplingParams(**defaults)             # a wrong type or range fails here, not on every request
+    except (ValueError, TypeError) as e:
+        parser.error(f"--generation-config / --override-generation-config: {e}")
     if args.served_model_name is not None and not all(args.served_model_name):
         parser.error("--served-model-name: names must not be empty")
 
@@ -263,7 +266,7 @@ def serve(args: argparse.Namespace) -> int:
         # leave the scheduler waiting for it
         while stop["signal"] is None and all(r.poll() is None for r in routers) and engine.exited() is None:
             time.sleep(0.2)
-        if (why := engine.exited()) is not None:
+        if stop["signal"] is None and (why := engine.exited()) is not None:     # not Ctrl-C's own exits
             logging.getLogger("pagedserve").error("%s; stopping", why)
             failed = True
         for r in routers:   # routers first: they drain in-flight requests

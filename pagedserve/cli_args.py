@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -63,10 +64,16 @@ def _env_default(f: dataclasses.Field) -> Any:
     names = f.metadata.get("env", ())
     for name in (names,) if isinstance(names, str) else names:
         raw = os.environ.get(name)
-        if raw:
-            return json_list(raw) if str(f.type).startswith("list") and raw.lstrip().startswith("[") else \
-                [raw] if str(f.type).startswith("list") else raw
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if not raw:
+            continue
+        if not str(f.type).startswith("list"):
+            return raw
+        try:
+            return json_list(raw) if raw.lstrip().startswith("[") else [raw]
+        except argparse.ArgumentTypeError as e:    # before parsing: say which variable, exit 2
+            sys.stderr.write(f"pagedserve: error: ${name}: {e}\n")
+            raise SystemExit(2) from None
+    return _default(f)
 
 
 def add_config_args(p: argparse.ArgumentParser | Any, config_cls: type, helps: dict[str, str], *,
@@ -95,6 +102,10 @@ def config_from_args(config_cls: type[Config], args: argparse.Namespace, **overr
     return config_cls(**values, **overrides)
 
 
+def _arg(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, dict) else str(value)
+
+
 def _default(f: dataclasses.Field) -> Any:
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
@@ -110,7 +121,9 @@ def config_flags(config: Any, *, skip: tuple[str, ...] = ("model",)) -> list[str
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])
         elif isinstance(value, list):
-            out += [flag, json.dumps(value)] if f.metadata.get("json") else [flag, *map(str, value)]
+            out += [flag, json.dumps(value)] if f.metadata.get("json") else [flag, *map(_arg, value)]
+        elif isinstance(value, dict):                 # e.g. LLM(speculative_config={...}): JSON for the child
+            out += [flag, json.dumps(value)]
         elif value is None:
             out += [flag, "auto"] if f.metadata.get("auto") else []
         else:

@@ -18,6 +18,7 @@ class EngineProcesses:
     run_dir: str
     frontend: str                                   # the scheduler's address for routers and clients
     procs: list[subprocess.Popen] = field(default_factory=list)
+    num_engine: int = 0                             # procs[:num_engine]: the scheduler and the workers
 
     @classmethod
     def start(cls, model: str | None, flags: list[str], num_threads: int | None,
@@ -32,11 +33,14 @@ class EngineProcesses:
         for rank in range(tensor_parallel_size):
             eng.spawn(["worker", *args, *flags, "--connect", workers, "--rank", str(rank)],
                       {"OMP_NUM_THREADS": str(num_threads)} if num_threads else None)
+        eng.num_engine = len(eng.procs)
         return eng
 
     def spawn(self, cli_args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        """`pagedserve CLI_ARGS` as a child, stopped with the others."""
-        p = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", *cli_args], env={**os.environ, **(env or {})})
+        """`pagedserve CLI_ARGS` as a child, stopped with the others. The parent has resolved the model
+        (a hub id is in the local cache by then), so children never contact the hub (HF_HUB_OFFLINE)."""
+        p = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", *cli_args],
+                             env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
         self.procs.append(p)
         return p
 
@@ -45,8 +49,8 @@ class EngineProcesses:
         return self.procs[0]
 
     def exited(self) -> str | None:
-        """Which child has exited, if one has: the engine is dead then."""
-        for p in self.procs:
+        """Which engine child (scheduler or worker) has exited, if one has: the engine is dead then."""
+        for p in self.procs[:self.num_engine]:
             if p.poll() is not None:
                 return f"the engine's {p.args[3]} process exited with code {p.returncode}"
         return None

@@ -69,7 +69,7 @@ class Generation:
     @property
     def model_name(self) -> str:
         """The `model` responses carry: the adapter's name, or the served model's."""
-        return self.parsed.lora_name or self.st.model_name
+        return self.parsed.lora_name or self.parsed.model_name or self.st.model_name
 
     @property
     def finished(self) -> bool:

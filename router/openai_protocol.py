@@ -15,35 +15,12 @@ import orjson
 
 from common.lora import LoRARequest
 from common.sampling_params import MAX_TOP_LOGPROBS, ParamError, SamplingParams
+from router.api_error import APIError, bad
+from router.chat_messages import parse_messages, render_chat
 
 # A completions call may carry a batch of prompts; each becomes an engine request of its own.
 MAX_PROMPTS = 256
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
-
-
-class APIError(Exception):
-    """An error answered to the client as `{"error": {message, type, param, code}}` with `status`."""
-
-    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or default_error_type(status)
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def default_error_type(status: int) -> str:
-    if status == 429:
-        return "rate_limit_error"
-    return "server_error" if status >= 500 else "invalid_request_error"
-
-
-def bad(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
 
 
 @dataclass(frozen=True)
@@ -76,6 +53,7 @@ class ParsedRequest:
     logprobs: int | None = None
     user: str | None = None
     lora_name: str | None = None    # the adapter `model` names; None: the base model
+    model_name: str | None = None   # `model` as the client sent it: responses echo it, as vLLM's do
 
     @property
     def lora(self) -> LoRARequest | None:
@@ -125,7 +103,7 @@ def _float(body: dict, name: str) -> float | None:
     return float(v)
 
 
-def _bool(body: dict, name: str) -> bool | None:
+def bool_field(body: dict, name: str) -> bool | None:
     v = body.get(name)
     if v is not None and not isinstance(v, bool):
         raise bad(f"'{name}' must be a boolean, got {v!r}", name)
@@ -206,7 +184,7 @@ def _stream_options(body: dict, stream: bool) -> bool:
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
     if not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", "stream_options")
-    return bool(_bool(opts, "include_usage"))
+    return bool(bool_field(opts, "include_usage"))
 
 
 def _max_tokens(body: dict, names: tuple[str, ...]) -> int | None:
@@ -235,6 +213,12 @@ def check_length(prompt_len: int, max_tokens: int | None, model: ModelInfo, prom
     return max_tokens
 
 
+def _capped(max_tokens: int, model: ModelInfo) -> int:
+    """The generation config's max_new_tokens caps every request, as vLLM applies it."""
+    cap = model.sampling_defaults.get("max_tokens")
+    return max_tokens if cap is None else min(max_tokens, int(cap))
+
+
 def _sampling_params(body: dict, model: ModelInfo, max_tokens: int | None, logprobs: int | None,
                      prompt_logprobs: int | None) -> SamplingParams:
     """Everything both APIs share; range checks are SamplingParams' own, reported with their param."""
@@ -248,8 +232,8 @@ def _sampling_params(body: dict, model: ModelInfo, max_tokens: int | None, logpr
         repetition_penalty=_float(body, "repetition_penalty"),
         stop_token_ids=token_ids(body["stop_token_ids"], model, "stop_token_ids")
         if body.get("stop_token_ids") is not None else None,
-        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
-        skip_special_tokens=_bool(body, "skip_special_tokens"), ignore_eos=_bool(body, "ignore_eos"),
+        include_stop_str_in_output=bool_field(body, "include_stop_str_in_output"),
+        skip_special_tokens=bool_field(body, "skip_special_tokens"), ignore_eos=bool_field(body, "ignore_eos"),
         min_tokens=_int(body, "min_tokens"),
     )
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
@@ -264,7 +248,7 @@ def _sampling_params(body: dict, model: ModelInfo, max_tokens: int | None, logpr
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
-    stream = bool(_bool(body, "stream"))
+    stream = bool(bool_field(body, "stream"))
     return stream, _stream_options(body, stream)
 
 
@@ -274,7 +258,7 @@ def parse_completion_request(body: dict, tokenizer: Any, model: ModelInfo) -> Pa
     if body.get("suffix") is not None:
         raise bad("'suffix' is not supported", "suffix")
     stream, include_usage = _stream_flags(body)
-    echo = bool(_bool(body, "echo"))
+    echo = bool(bool_field(body, "echo"))
     logprobs = _int(body, "logprobs")
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise bad(f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
@@ -282,9 +266,11 @@ def parse_completion_request(body: dict, tokenizer: Any, model: ModelInfo) -> Pa
     prompts = [_tokenize_prompt(p, tokenizer, model) for p in _split_prompts(body.get("prompt"))]
     for p in prompts:
         check_length(len(p.token_ids), max_tokens, model, "prompt")
+    max_tokens = _capped(max_tokens, model)
     # echo with logprobs reports the prompt's logprobs too, as OpenAI does
     params = _sampling_params(body, model, max_tokens, logprobs, logprobs if echo and logprobs is not None else None)
-    return ParsedRequest(False, prompts, params, stream, include_usage, echo, logprobs, _str(body, "user"), lora_name)
+    return ParsedRequest(False, prompts, params, stream, include_usage, echo, logprobs, _str(body, "user"), lora_name,
+                         _str(body, "model"))
 
 
 def _split_prompts(v: Any) -> list[str | list[int]]:
@@ -330,7 +316,7 @@ def _tokenize_prompt(p: str | list[int], tokenizer: Any, model: ModelInfo) -> Pr
 def parse_chat_request(body: dict, tokenizer: Any, model: ModelInfo) -> ParsedRequest:
     lora_name = check_model(body, model)
     stream, include_usage = _stream_flags(body)
-    want_logprobs = bool(_bool(body, "logprobs"))
+    want_logprobs = bool(bool_field(body, "logprobs"))
     top = _int(body, "top_logprobs")
     if top is not None:
         if not want_logprobs:
@@ -343,57 +329,7 @@ def parse_chat_request(body: dict, tokenizer: Any, model: ModelInfo) -> ParsedRe
     ids = encode(tokenizer, text, "messages", add_special_tokens=False)
     if not ids:
         raise bad("the rendered chat prompt is empty", "messages")
-    max_tokens = check_length(len(ids), requested, model, "messages")
-    if requested is None and "max_tokens" in model.sampling_defaults:     # generation_config's max_new_tokens
-        max_tokens = min(max_tokens, int(model.sampling_defaults["max_tokens"]))
+    max_tokens = _capped(check_length(len(ids), requested, model, "messages"), model)
     params = _sampling_params(body, model, max_tokens, logprobs, None)
     return ParsedRequest(True, [PromptInput(ids, text)], params, stream, include_usage, False, logprobs,
-                         _str(body, "user"), lora_name)
-
-
-def parse_messages(v: Any) -> list[dict[str, Any]]:
-    """Messages reduced to what chat templates expect: string content, known roles, tool fields kept."""
-    if not isinstance(v, list) or not v:
-        raise bad("'messages' must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(v):
-        if not isinstance(m, dict):
-            raise bad(f"messages[{i}] must be an object", "messages")
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise bad(f"messages[{i}].role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}", "messages")
-        msg = {"role": "system" if role == "developer" else role, "content": _content(m.get("content"), role, i)}
-        for key in ("name", "tool_call_id", "tool_calls"):
-            if m.get(key) is not None:
-                msg[key] = m[key]
-        out.append(msg)
-    return out
-
-
-def _content(c: Any, role: str, i: int) -> str:
-    if isinstance(c, str):
-        return c
-    if c is None and role == "assistant":      # an assistant turn that only called tools
-        return ""
-    if isinstance(c, list):
-        texts = []
-        for part in c:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad(f"messages[{i}].content: only parts of the form {{\"type\": \"text\", \"text\": ...}} "
-                          f"are supported", "messages")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
-
-
-def render_chat(messages: list[dict[str, Any]], tokenizer: Any, *, add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> str:
-    if not getattr(tokenizer, "chat_template", None):
-        raise bad("this model has no chat template; use /v1/completions or start with --chat-template", "messages")
-    if add_generation_prompt and continue_final_message:
-        raise bad("'add_generation_prompt' and 'continue_final_message' cannot both be true", "messages")
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message)
-    except Exception as e:   # template errors (e.g. "roles must alternate") are the client's input
-        raise bad(f"the messages could not be rendered with the model's chat template: {e}", "messages") from None
+                         _str(body, "user"), lora_name, _str(body, "model"))

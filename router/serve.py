@@ -38,8 +38,7 @@ async def _serve(config: RouterConfig) -> None:
     source, tokenizer, vocab_size = await _load_model(config)
     if config.chat_template is not None:
         tokenizer.chat_template = load_chat_template(config.chat_template)
-    defaults = source.generation_defaults(config.generation_config)
-    defaults.update(json.loads(config.override_generation_config or "{}"))
+    defaults = source.generation_defaults(config.generation_config, json.loads(config.override_generation_config or "{}"))
     if defaults:
         log.info("request defaults from the generation config: %s", defaults)
     names = config.served_model_name or [source.name]
@@ -52,6 +51,7 @@ async def _serve(config: RouterConfig) -> None:
     cors = CORSConfig(config.allowed_origins, config.allowed_methods, config.allowed_headers, config.allow_credentials)
     app = build_app(client, tokenizer, names[0], aliases=tuple(names[1:]), api_key=config.api_key,
                     max_body_bytes=config.max_body_bytes, vocab_size=vocab_size, model_root=str(source.path),
+                    max_model_len=client.max_model_len,     # known once the engine's Stats arrived
                     allow_lora_updates=runtime_lora_updating_allowed(), sampling_defaults=defaults,
                     response_role=config.response_role, cors=cors, docs=not config.disable_fastapi_docs)
     runner = await _start_site(app, config)

@@ -7,12 +7,13 @@ holds them) and answers {"count", "max_model_len", "tokens", "token_strs"}. POST
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
 
-from router.openai_protocol import (APIError, ModelInfo, bad, check_model, decode_json_body, encode, parse_messages,
-                                    render_chat, token_ids)
+from router.openai_protocol import (APIError, ModelInfo, bad, bool_field, check_model, decode_json_body, encode,
+                                    parse_messages, render_chat, token_ids)
 
 
 def tokenize_body(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> dict[str, Any]:
@@ -30,7 +31,7 @@ def tokenize_body(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> dic
         text, param = body["prompt"], "prompt"
         if not isinstance(text, str):
             raise bad("'prompt' must be a string", "prompt")
-    ids = encode(tokenizer, text, param, add_special_tokens=add_special) if text else []
+    ids = encode(tokenizer, text, param, add_special_tokens=add_special)    # "" still gets a BOS if asked
     strs = tokenizer.convert_ids_to_tokens(ids) if _flag(body, "return_token_strs", False) else None
     return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -42,22 +43,21 @@ def detokenize_body(body: dict[str, Any], tokenizer: Any, model: ModelInfo) -> d
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad(f"'{name}' must be a boolean, got {v!r}", name)
-    return v
+    v = bool_field(body, name)
+    return default if v is None else v
 
 
 def add_tokenize_routes(app: web.Application, state_of: Any) -> None:
-    """`state_of(request)`: the app's ServerState (its tokenizer and model_info())."""
+    """`state_of(request)`: the app's ServerState (its tokenizer, executor and model_info()). The work runs
+    in the tokenizer thread, as the generation routes' large bodies do: never on the event loop."""
     def route(fn: Any) -> Any:
         async def handler(request: web.Request) -> web.Response:
             st = state_of(request)
             body = decode_json_body(await request.read(), request.content_type)
+            loop = asyncio.get_running_loop()
             try:
-                return web.json_response(fn(body, st.tokenizer, st.model_info()))
+                return web.json_response(await loop.run_in_executor(st.executor, fn, body, st.tokenizer,
+                                                                    st.model_info()))
             except APIError:
                 raise
             except Exception as e:          # what the tokenizer cannot take is the client's input

@@ -97,7 +97,8 @@ def test_a_rows_result_does_not_depend_on_the_step_size(isa, force_isa):
     force_isa(isa)
     if native.cpu_isa() < native.ISA_LEVELS[isa]:
         pytest.skip(f"this CPU has no {isa}")
-    for qtype, k in ((T.Q4_1, 96), (T.Q8_0, 256), (T.Q4_K, 256)):       # 96: a K with an odd run count
+    # 96: a K with an odd run count; Q6_K: groups of 16 (the single-row path's other specialisation)
+    for qtype, k in ((T.Q4_1, 96), (T.Q8_0, 256), (T.Q4_K, 256), (T.Q6_K, 256)):
         pw = gguf_tensor(qtype, 24, k, seed=3).pack()
         x = torch.randn(16, k)
         alone = torch.cat([pw.matmul(x[i:i + 1]) for i in range(16)])

@@ -96,12 +96,14 @@ def test_ping_answers_until_the_engine_dies(tok):
     run_http(tok, scenario)
 
 
-def test_every_served_model_name_is_accepted_and_the_first_is_answered(tok):
+def test_every_served_model_name_is_accepted_and_echoed(tok):
     async def scenario(client, engine, app):
         ids = [c["id"] for c in (await (await client.get("/v1/models")).json())["data"]]
         assert ids == [MODEL, "alias-2"]
         r = await post(client, "/v1/completions", {"model": "alias-2", "prompt": "Hi", "max_tokens": 2})
-        assert r.status == 200 and (await r.json())["model"] == MODEL
+        assert r.status == 200 and (await r.json())["model"] == "alias-2"          # echoed, as vLLM does
+        r = await post(client, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        assert (await r.json())["model"] == MODEL                                   # silent: the first name
         assert (await post(client, "/v1/completions", {"model": "alias-3", "prompt": "Hi"})).status == 404
     run_http(tok, scenario, aliases=("alias-2",))
 
@@ -116,8 +118,9 @@ def test_generation_config_defaults_apply_where_the_request_is_silent(tok):
         await post(client, "/v1/completions", {"prompt": "Hi"})
         silent, explicit, completion = (p for _, _, p in engine.added)
         assert (silent.temperature, silent.top_k, silent.repetition_penalty, silent.max_tokens) == (0.25, 7, 1.1, 3)
-        assert (explicit.temperature, explicit.max_tokens, explicit.top_k) == (0.9, 5, 7)
-        assert completion.temperature == 0.25 and completion.max_tokens == 16    # OpenAI's completions default
+        # the request's own values win, but max_new_tokens caps every request, as in vLLM
+        assert (explicit.temperature, explicit.max_tokens, explicit.top_k) == (0.9, 3, 7)
+        assert completion.temperature == 0.25 and completion.max_tokens == 3
     run_http(tok, scenario, sampling_defaults=defaults)
 
 

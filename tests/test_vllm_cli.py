@@ -3,6 +3,8 @@ here; one clear error (exit 2, naming the flag) for what we do not do, before an
 ids from a local cache, offline."""
 from __future__ import annotations
 
+import dataclasses
+import shutil
 import subprocess
 import sys
 import time
@@ -41,7 +43,7 @@ def test_the_model_twice_and_a_missing_model_are_errors(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("text,value", [("32768", 32768), ("32k", 32000), ("32K", 32768), ("25.6k", 25600),
-                                        ("1m", 10**6), ("auto", None), ("-1", None)])
+                                        ("1m", 10**6), ("4.1m", 4_100_000), ("auto", None), ("-1", None)])
 def test_sizes_parse_as_vllm_reads_them(text, value):
     assert parse("--max-model-len", text)[0].max_model_len == value
 
@@ -49,12 +51,13 @@ def test_sizes_parse_as_vllm_reads_them(text, value):
 def test_a_bad_size_names_its_flag(capsys):
     assert "--max-model-len" in refused(capsys, "--max-model-len", "32q")
     assert "--max-num-batched-tokens" in refused(capsys, "--max-num-batched-tokens", "1.5k5")
+    assert "whole number" in refused(capsys, "--max-model-len", "1.5K")       # binary units: whole numbers
 
 
 def test_aliases_and_lists():
-    args, _ = parse("-tp", "1", "-q", "gguf", "--num-gpu-blocks-override", "64", "--api-server-count", "3",
+    args, _ = parse("-tp", "2", "-q", "gguf", "--num-gpu-blocks-override", "64", "--api-server-count", "3",
                     "--served-model-name", "a", "b", "--api-key", "k1", "k2", "--max-num-batched-tokens", "2k")
-    assert (args.tensor_parallel_size, args.quantization, args.num_gpu_blocks, args.router_replicas) == (1, "gguf", 64, 3)
+    assert (args.tensor_parallel_size, args.quantization, args.num_gpu_blocks, args.router_replicas) == (2, "gguf", 64, 3)
     assert args.served_model_name == ["a", "b"] and args.api_key == ["k1", "k2"]
     assert args.max_num_batched_tokens == 2000
     flags = cli.engine_flags(args)               # the children get our canonical spellings
@@ -83,8 +86,8 @@ def test_a_bad_dtype_exits_2_within_5_seconds():
                                   ("--uvicorn-log-level", "warning"), ("-O", "3")])
 def test_meaningless_flags_are_accepted_with_a_notice(argv):
     _, notices = parse(*argv)
-    assert len(notices) == 1 and argv[0] in notices[0].split(":")[0].split(" ")[0].split("/") + \
-        [notices[0].split(":")[0].split(" ")[0]]
+    flag = notices[0].split(":")[0].split(" ")[0]          # "--x", "--a/-b", or "--no-x"
+    assert len(notices) == 1 and argv[0] in flag.split("/")
 
 
 @pytest.mark.parametrize("argv,named", [(("-pp", "2"), "--pipeline-parallel-size/-pp 2"),
@@ -135,13 +138,45 @@ def test_a_hub_id_resolves_from_the_local_cache_offline(tmp_path, tiny_model, mo
 
 
 def test_generation_defaults_come_from_the_generation_config(tmp_path, tiny_model):
-    folder = tiny_model("llama")
-    src = ModelSource.resolve(str(folder))
-    own = src.generation_defaults("auto")
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model("llama"), model)
+    (model / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.9, "top_k": 0, "eos_token_id": 2}')
+    src = ModelSource.resolve(str(model))
+    assert src.generation_defaults("auto") == {"temperature": 0.6, "top_p": 0.9, "top_k": -1}    # 0: off
     other = tmp_path / "gen"
     other.mkdir()
     (other / "generation_config.json").write_text('{"temperature": 0.3, "top_k": 20, "max_new_tokens": 64, '
                                                   '"do_sample": true}')
     assert src.generation_defaults(str(other)) == {"temperature": 0.3, "top_k": 20, "max_tokens": 64}
     assert src.generation_defaults("vllm") == {}
-    assert isinstance(own, dict)
+    # --override-generation-config merges in vLLM's (HF's) names; what is no sampling default is dropped
+    assert src.generation_defaults("auto", {"max_new_tokens": 8, "temperature": 0.1, "do_sample": False}) == \
+        {"temperature": 0.1, "top_p": 0.9, "top_k": -1, "max_tokens": 8}
+    assert src.generation_defaults("vllm", {"repetition_penalty": 1.2}) == {"repetition_penalty": 1.2}
+
+
+def test_a_bad_generation_override_is_refused_at_start(capsys):
+    err = refused(capsys, "--override-generation-config", '{"temperature": "hot"}')
+    assert "--override-generation-config" in err
+
+
+def test_a_tokenizer_folder_needs_no_model_config(tmp_path, default_tokenizer):
+    default_tokenizer.save_pretrained(tmp_path / "tok")
+    args, _ = parse("--tokenizer", str(tmp_path / "tok"))
+    src = ModelSource.from_config(args)
+    assert src.tokenizer_path == (tmp_path / "tok").resolve()
+    assert src.load_tokenizer().encode("paged") == default_tokenizer.encode("paged")
+
+
+def test_engine_config_survives_the_trip_to_a_child_process():
+    """What serve and AsyncLLMEngine hand their children (config_flags) parses back to the same config,
+    dict-valued options included (LLM(speculative_config={...}), lora_modules as dicts)."""
+    from common.config import EngineConfig
+    config = EngineConfig(model=None, max_model_len=4096, max_num_batched_tokens=2048, tensor_parallel_size=2,
+                          quantization="int8", enable_prefix_caching=False, kv_cache_memory=0.5,
+                          speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                          enable_lora=True, lora_modules=["a=/x", '{"name": "b", "path": "/y"}'])
+    child = cli.build_parser().parse_args(["worker", *cli.config_flags(config)])
+    back = cli.engine_config(child)
+    assert back.speculative_config == '{"method": "ngram", "num_speculative_tokens": 3}'
+    assert dataclasses.replace(back, speculative_config=config.speculative_config) == config

@@ -22,17 +22,18 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def launch_line(hub: str, template: str) -> list[str]:
+def launch_line(hub: str, template: str, tokenizer: str) -> list[str]:
     """Flags as vLLM spells them (a few are ours: --kv-cache-memory sizes the CPU cache, --num-threads)."""
     return [
         "--model", "tiny-org/tiny-llama", "--download-dir", hub, "--revision", "main",
-        "--tokenizer", "tiny-org/tiny-llama", "--served-model-name", "tiny", "tiny-alias",
+        "--tokenizer", tokenizer, "--served-model-name", "tiny", "tiny-alias",
         "--dtype", "float32", "--max-model-len", "1k", "--max-num-seqs", "8", "--max-num-batched-tokens", "2k",
         "--block-size", "16", "--swap-space", "0", "--gpu-memory-utilization", "0.85", "--seed", "1",
         "--enable-prefix-caching", "--enable-chunked-prefill", "--enforce-eager", "--trust-remote-code",
         "--disable-log-requests", "--disable-log-stats", "--tensor-parallel-size", "1", "-pp", "1",
         "--distributed-executor-backend", "mp", "--kv-cache-dtype", "auto", "--load-format", "safetensors",
-        "--generation-config", "vllm", "--chat-template", template, "--response-role", "assistant",
+        "--generation-config", "auto", "--override-generation-config", '{"top_p": 0.95}',
+        "--chat-template", template, "--response-role", "assistant",
         "--allowed-origins", '["*"]', "--max-logprobs", "20", "--uvicorn-log-level", "warning",
         "--tokenizer-mode", "auto", "--scheduling-policy", "fcfs", "--disable-uvicorn-access-log",
         "--max-seq-len-to-capture", "1024", "--api-server-count", "1", "--num-gpu-blocks-override", "256",
@@ -49,19 +50,23 @@ UNSUPPORTED = [("-pp", "2"), ("--tool-call-parser", "hermes"), ("--enable-auto-t
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, tiny_model) -> str:
     cache = tmp_path_factory.mktemp("hub")
-    add_to_hub_cache(cache, "tiny-org/tiny-llama", tiny_model("llama"))
+    snapshot = add_to_hub_cache(cache, "tiny-org/tiny-llama", tiny_model("llama"))
+    # the model's generation config: max_new_tokens caps every request, as in vLLM
+    (snapshot / "generation_config.json").write_text(json.dumps({"max_new_tokens": 4, "temperature": 0.7}))
     return str(cache)
 
 
-def test_a_vllm_launch_line_starts_and_serves(hub, tmp_path):
+def test_a_vllm_launch_line_starts_and_serves(hub, tmp_path, default_tokenizer):
     (tmp_path / "template.jinja").write_text(TEMPLATE)
-    line = launch_line(hub, str(tmp_path / "template.jinja"))
+    default_tokenizer.save_pretrained(tmp_path / "tokenizer")          # a tokenizer folder, no config.json
+    line = launch_line(hub, str(tmp_path / "template.jinja"), str(tmp_path / "tokenizer"))
     assert sum(a.startswith("-") for a in line) >= 25
     with run_server(*line, log_dir=tmp_path, env={"HF_HUB_OFFLINE": "1"}, api_key=KEY) as s:
         sdk = openai.OpenAI(base_url=f"{s.url}/v1", api_key=KEY, max_retries=0, timeout=120)
         assert [m.id for m in sdk.models.list().data] == ["tiny", "tiny-alias"]
-        c = sdk.completions.create(model="tiny-alias", prompt="The capital of", max_tokens=5, temperature=0)
-        assert c.model == "tiny" and c.usage.completion_tokens == 5
+        c = sdk.completions.create(model="tiny-alias", prompt="The capital of", max_tokens=5, temperature=0,
+                                   extra_body={"ignore_eos": True})
+        assert c.model == "tiny-alias" and c.usage.completion_tokens == 4      # capped by max_new_tokens
         chat = sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                            temperature=0)
         assert chat.choices[0].message.role == "assistant" and chat.usage.prompt_tokens > 0
