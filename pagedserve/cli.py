@@ -213,8 +213,14 @@ def check_router_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         SamplingParams(**defaults)             # a wrong type or range fails here, not on every request
     except (ValueError, TypeError) as e:
         parser.error(f"--generation-config / --override-generation-config: {e}")
-    if args.served_model_name is not None and not all(args.served_model_name):
+    names = args.served_model_name or []
+    if not all(names):
         parser.error("--served-model-name: names must not be empty")
+    # `--served-model-name a MODEL` takes MODEL as a second name and would serve the default model
+    swallowed = [n for n in names if args.model is None and Path(n).expanduser().exists()]
+    if swallowed:
+        parser.error(f"--served-model-name took {swallowed[0]!r}, which is a path: give the model first "
+                     f"(serve MODEL --served-model-name ...) or as --model")
 
 
 def _check_lora_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

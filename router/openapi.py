@@ -1,5 +1,5 @@
-"""/openapi.json (an OpenAPI 3.1 description of the routes and their bodies) and /docs (Swagger UI), as
-vLLM serves them through FastAPI; off with --disable-fastapi-docs.
+"""/openapi.json (an OpenAPI 3.1 description of the routes and their bodies), /docs (Swagger UI) and
+/redoc, as vLLM serves them through FastAPI; off with --disable-fastapi-docs.
 
 The request schemas list the fields router/openai_protocol.py reads, with their types and ranges; the
 tests check that the document validates as OpenAPI and that every path it names is served.
@@ -147,11 +147,23 @@ _DOCS_HTML = """<!doctype html>
 """
 
 
+_REDOC_HTML = """<!doctype html>
+<html><head><title>pagedserve - ReDoc</title><meta charset="utf-8"></head>
+<body><redoc spec-url="/openapi.json"></redoc>
+<script src="https://cdn.jsdelivr.net/npm/redoc@2/bundles/redoc.standalone.js"></script>
+</body></html>
+"""
+
+
 def add_docs_routes(app: web.Application, document: dict[str, Any]) -> None:
+    """/openapi.json, /docs (Swagger UI) and /redoc, as FastAPI serves them for vLLM."""
     async def spec(_request: web.Request) -> web.Response:
         return web.json_response(document)
 
-    async def docs(_request: web.Request) -> web.Response:
-        return web.Response(text=_DOCS_HTML, content_type="text/html")
+    def page(html: str) -> Any:
+        async def handler(_request: web.Request) -> web.Response:
+            return web.Response(text=html, content_type="text/html")
+        return handler
     app.router.add_get("/openapi.json", spec)
-    app.router.add_get("/docs", docs)
+    app.router.add_get("/docs", page(_DOCS_HTML))
+    app.router.add_get("/redoc", page(_REDOC_HTML))

@@ -51,10 +51,13 @@ def test_openapi_document_validates_and_names_served_paths(tok):
         assert {"messages", "temperature", "max_completion_tokens", "stream_options"} <= set(props)
         r = await client.get("/docs")
         assert r.status == 200 and "swagger-ui" in await r.text()
+        r = await client.get("/redoc")
+        assert r.status == 200 and 'spec-url="/openapi.json"' in await r.text()
     run_http(tok, scenario)
 
     async def no_docs(client, engine, app):
-        assert (await client.get("/openapi.json")).status == 404 and (await client.get("/docs")).status == 404
+        for path in ("/openapi.json", "/docs", "/redoc"):
+            assert (await client.get(path)).status == 404, path
     run_http(tok, no_docs, docs=False)
 
 

@@ -36,6 +36,13 @@ def test_model_positional_or_flag():
     assert parse("default", "--model", "default")[0].model == "default"
 
 
+def test_a_model_swallowed_by_served_model_name_is_an_error(capsys, tiny_model):
+    folder = str(tiny_model("llama"))
+    err = refused(capsys, "--served-model-name", "tiny", folder)
+    assert "give the model first" in err and folder in err
+    assert parse(folder, "--served-model-name", "tiny", "tiny-2")[0].served_model_name == ["tiny", "tiny-2"]
+
+
 def test_the_model_twice_and_a_missing_model_are_errors(capsys, tmp_path):
     assert "given twice" in refused(capsys, "default", "--model", str(tmp_path))
     err = refused(capsys, "--model", str(tmp_path / "nope"))
