@@ -1,6 +1,7 @@
 """Engine and model configuration: the flags a user sets and the architecture facts read from the model."""
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -83,7 +84,13 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", 
 # bf16 on CUDA
 DTYPES = ("auto", "float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")    # dummy: random weights (benchmarks of shapes)
-GENERATION_CONFIG_MODES = ("auto", "vllm")                 # or a folder holding generation_config.json
+
+
+def env_flag(name: str) -> bool:
+    """An on/off environment variable, read as vLLM and huggingface_hub read theirs."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 _SIZE_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
 
 

@@ -15,7 +15,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from common.config import SUPPORTED_ARCHS, ModelConfig
+from common.config import SUPPORTED_ARCHS, ModelConfig, env_flag
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,10 +79,6 @@ class ModelSource:
         if require_weights and not any(p.glob("*.safetensors")):
             raise ModelNotFound(f"model folder {p} has no *.safetensors files; {EXPECTED}")
         return cls(p.resolve(), "hf", name)
-
-    @property
-    def folder(self) -> Path:
-        return self.path if self.kind == "hf" else self.path.parent
 
     def check_load_format(self, load_format: str) -> None:
         """--load-format safetensors or gguf names what the model must be."""
@@ -223,7 +219,7 @@ def hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None) -
     it huggingface_hub tries the hub first and falls back to the cache when it cannot connect."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    offline = env_flag("HF_HUB_OFFLINE")
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir, local_files_only=offline,
                                       allow_patterns=HUB_FILES))

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from common.chat_template import load_chat_template
-from common.config import (DTYPES, GENERATION_CONFIG_MODES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATION_ALIASES,
+from common.config import (DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATION_ALIASES,
                            QUANTIZATION_METHODS, EngineConfig)
 from common.lora import check_lora_config
 from common.model_source import ModelNotFound, ModelSource
@@ -141,7 +141,15 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
         args.model = flag
     notices = check_compat(parser, args)
     check_engine_args(parser, args)
-    check_router_args(parser, args)
+    source = _resolve_model(parser, args)       # once: the engine's and the router's checks share it
+    if hasattr(args, "load_format"):
+        try:
+            source.check_load_format(args.load_format)
+        except ValueError as e:
+            parser.error(str(e))
+    _check_lora_args(parser, args)
+    _check_speculative_args(parser, args)
+    check_router_args(parser, args, source)
     return args, notices
 
 
@@ -169,8 +177,9 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     for name in ("kv_cache_memory", "swap_space"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")
-    _check_model(parser, args)
-    _check_lora_args(parser, args)
+
+
+def _check_speculative_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if getattr(args, "speculative_config", None) is not None:
         try:
             spec = SpeculativeConfig.parse(args.speculative_config)
@@ -185,16 +194,15 @@ def _choice(parser: argparse.ArgumentParser, flag: str, value: str, choices: tup
         parser.error(f"{flag} {value!r}: expected one of {', '.join(choices)}")
 
 
-def _check_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def _resolve_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ModelSource:
     """The model (and tokenizer) must resolve here, not in a child: a typo exits 2 at once."""
     try:
-        source = ModelSource.from_config(args, args.load_format != "dummy")
-        source.check_load_format(args.load_format)
-    except (ModelNotFound, ValueError) as e:
+        return ModelSource.from_config(args, getattr(args, "load_format", "auto") != "dummy")
+    except ModelNotFound as e:
         parser.error(f"--model: {e}" if not str(e).startswith("--") else str(e))
 
 
-def check_router_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def check_router_args(parser: argparse.ArgumentParser, args: argparse.Namespace, source: ModelSource) -> None:
     if not hasattr(args, "response_role"):
         return
     if args.chat_template is not None:
@@ -202,14 +210,11 @@ def check_router_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
             load_chat_template(args.chat_template)
         except ValueError as e:
             parser.error(f"--chat-template: {e}")
-    mode = args.generation_config
-    if mode not in GENERATION_CONFIG_MODES and not (Path(mode).expanduser() / "generation_config.json").is_file():
-        parser.error(f"--generation-config {mode!r}: expected auto, vllm, or a folder with generation_config.json")
     try:
         override = json.loads(args.override_generation_config or "{}")
         if not isinstance(override, dict):
             raise ValueError("expected a JSON object")
-        defaults = ModelSource.from_config(args, False).generation_defaults(mode, override)
+        defaults = source.generation_defaults(args.generation_config, override)   # a folder without one: refused
         SamplingParams(**defaults)             # a wrong type or range fails here, not on every request
     except (ValueError, TypeError) as e:
         parser.error(f"--generation-config / --override-generation-config: {e}")

@@ -161,8 +161,10 @@ def check_compat(parser: argparse.ArgumentParser, args: argparse.Namespace) -> l
             continue
         text = str(value).lower() if f.kind == SWITCH else str(value)
         name = "/".join(f.names)                  # the user may have typed any of them
-        shown = name if f.kind == SWITCH and value else f"--no-{f.names[0][2:]}" if f.kind == SWITCH \
-            else f"{name} {value}"
+        if f.kind == SWITCH:
+            shown = name if value else f"--no-{f.names[0][2:]}"
+        else:
+            shown = f"{name} {value}"
         if f.accept is None and f.notice is not None or f.accept is not None and text in f.accept:
             if f.notice is not None:
                 notices.append(f"{shown}: {f.notice}")

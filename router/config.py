@@ -11,8 +11,9 @@ way vLLM does (`--allowed-origins '["https://a.example"]'`; a comma-separated li
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
+
+from common.config import env_flag
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"       # one key, or a JSON list of keys
 VLLM_API_KEY_ENV = "VLLM_API_KEY"         # vLLM's, read when ours is unset
@@ -50,4 +51,4 @@ class RouterConfig:
 
 
 def runtime_lora_updating_allowed() -> bool:
-    return os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag(RUNTIME_LORA_ENV)
