@@ -1,77 +1,10 @@
-"""Engine and model configuration: the flags a user sets and the architecture facts read from the model."""
+"""Engine configuration: the flags a user sets (the model's own facts are in common/model_config.py)."""
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
-
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-
-
-@dataclass
-class ModelConfig:
-    """Architecture of a decoder-only model; one shape serves Llama, Mistral, Qwen2 and Qwen3."""
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    eos_token_ids: list[int] = field(default_factory=list)
-    bos_token_id: int | None = None
-    sliding_window: int | None = None     # attention is full-context here, so contexts are capped at it
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        arch = cfg.get("model_type", "")
-        if arch not in SUPPORTED_ARCHS:
-            raise ValueError(f"unsupported model_type {arch!r}; expected one of {', '.join(SUPPORTED_ARCHS)}")
-        rope = dict(cfg.get("rope_parameters") or {})
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling is not None and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-            scaling = None
-        heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        return cls(
-            arch=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            rope_scaling=dict(scaling) if scaling else None,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
-            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
-            bos_token_id=cfg.get("bos_token_id"),
-            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None,
-        )
-
-    @property
-    def max_context(self) -> int:
-        """Longest context we serve exactly: sliding-window attention is not implemented, so a window
-        shorter than the position limit caps the context rather than silently changing the outputs."""
-        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
 
 # auto: the checkpoint's own quantization (a GGUF's blocks, an AWQ/GPTQ/FP8 folder's quantization_config),
 # else none; int8: dynamic int8 matmuls (a CPU speed mode for large steps); fp8: fp8 weights quantized at load.

@@ -15,7 +15,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from common.config import SUPPORTED_ARCHS, ModelConfig, env_flag
+from common.config import env_flag
+from common.model_config import SUPPORTED_ARCHS, ModelConfig
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -182,6 +182,9 @@ class WorkerInfo:
     lora_targets: dict[str, tuple[int, int]] = field(default_factory=dict)   # with --enable-lora: common/lora.py
     max_loras: int = 0           # adapter slots (0: LoRA off on this worker)
     max_lora_rank: int = 0
+    # False where a block's keys depend on more than the tokens before it (LongRoPE rotates them by the
+    # sequence's length), so equal prefixes must not share blocks
+    prefix_caching: bool = True
 
 
 @dataclass

@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from common.config import DTYPES, EngineConfig, ModelConfig
+from common.config import DTYPES, EngineConfig
+from common.model_config import ModelConfig
 from common.model_source import ModelSource
 from common.protocol import Logprob, ModelRunnerOutput, NewSequenceData, SchedulerOutput, WorkerInfo
 from common.sampling_params import SamplingParams
@@ -92,7 +93,19 @@ class ModelRunner:
                           weight_bytes=weight_bytes(self.model), num_layers=self.model_config.num_layers,
                           lora_targets=self.lora.targets if self.lora else {},
                           max_loras=self.lora.max_loras if self.lora else 0,
-                          max_lora_rank=self.lora.max_rank if self.lora else 0)
+                          max_lora_rank=self.lora.max_rank if self.lora else 0,
+                          prefix_caching=self._prefix_caching_safe())
+
+    def _prefix_caching_safe(self) -> bool:
+        """LongRoPE keys are rotated by their sequence's length (short and long factors), so a block of the
+        same tokens differs between sequences: such a model runs without prefix caching."""
+        long_after = self.model.rope.long_after
+        if long_after is None or long_after >= self.max_model_len:
+            return True
+        if self.config.enable_prefix_caching:
+            log.info("prefix caching is off: LongRoPE rotates a sequence's keys differently once it is "
+                     "longer than %d tokens", long_after)
+        return False
 
     def _calibrate_kv_scales_on_first_step(self) -> None:
         """Every attention layer (draft model's included) takes its fp8 scales from the first real step,
@@ -163,7 +176,7 @@ class ModelRunner:
             scheduled.sort(key=lambda s: self.seqs[s[0]].lora_id)
         if not scheduled:
             return out
-        inputs = build_step_inputs(self.seqs, scheduled, self.block_size, self.device)
+        inputs = build_step_inputs(self.seqs, scheduled, self.block_size, self.device, self.model.rope.long_after)
         attn = self.backend.prepare(inputs.attn)
         hidden = self._forward(inputs, attn)
         if inputs.sample_seq_ids:
@@ -177,10 +190,10 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs, attn) -> torch.Tensor:
         """The target model over the step's rows, each under its sequence's adapter slot."""
         if self.lora is None:
-            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn, self.backend)
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn, self.backend, inputs.seq_ends)
         self.lora.begin_step(inputs.lora_ids)
         try:
-            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn, self.backend)
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn, self.backend, inputs.seq_ends)
         finally:
             self.lora.end_step()
 

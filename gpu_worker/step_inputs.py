@@ -86,6 +86,7 @@ class PromptLogprobRows:
 class StepInputs:
     input_ids: torch.Tensor                 # [T]
     positions: torch.Tensor                 # [T]
+    seq_ends: torch.Tensor                  # [T] its sequence's known length: its prompt, or this step's end
     attn: AttentionMetadata
     logits_indices: torch.Tensor            # [R] rows to compute logits on and sample from
     sample_seq_ids: list[str]               # sequences that sample this step, in row order
@@ -128,14 +129,20 @@ def _reads_history(st: SequenceState) -> bool:
 
 
 def build_step_inputs(states: dict[str, SequenceState], scheduled: list[tuple[str, int]], block_size: int,
-                      device: torch.device) -> StepInputs:
-    """Flat inputs for `scheduled` (seq_id, num_new_tokens) pairs, in that order."""
+                      device: torch.device, long_rope_after: int | None = None) -> StepInputs:
+    """Flat inputs for `scheduled` (seq_id, num_new_tokens) pairs, in that order. `long_rope_after`:
+    a LongRoPE model's pretraining length (layers/rotary.py): a sequence whose cached keys were rotated
+    with the short factors and that now grows past it runs all of its tokens again, so every key is
+    rotated with the long ones, as HF's Phi-3 does at that point (a one-off, at most that many tokens)."""
     tokens: list[int] = []
-    ctx_lens, q_lens, tables, lora = [], [], [], []
+    ctx_lens, q_lens, tables, lora, known_lens = [], [], [], [], []
     sample_ids, num_samples = [], []
     for seq_id, n in scheduled:
         st = states[seq_id]
         start = st.num_computed_tokens
+        if long_rope_after is not None and 0 < start and max(st.num_prompt_tokens, start) <= long_rope_after < start + n:
+            start, n = 0, start + n
+        known_lens.append(max(st.num_prompt_tokens, start + n))
         known = st.token_ids + st.spec_token_ids if st.spec_token_ids else st.token_ids
         tokens.extend(known[start:start + n])
         ctx_lens.append(start)
@@ -153,6 +160,7 @@ def build_step_inputs(states: dict[str, SequenceState], scheduled: list[tuple[st
     return StepInputs(
         input_ids=torch.tensor(tokens, device=device),
         positions=_positions(meta, qsl, seq_idx).to(device),
+        seq_ends=torch.tensor(known_lens)[seq_idx].to(device),
         attn=_to(meta, device),
         logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=device),
         sample_seq_ids=sample_ids, num_samples=num_samples,

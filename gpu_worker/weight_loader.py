@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.config import LOAD_FORMATS, ModelConfig
+from common.config import LOAD_FORMATS
+from common.model_config import ModelConfig
 from common.model_source import ModelSource
 from gpu_worker.quantization import resolve_quantization, set_linear_method
 from gpu_worker.quantization.checkpoint import CheckpointFormat, read_checkpoint_format
@@ -26,6 +27,12 @@ _HF_RULES: list[tuple[re.Pattern, str, str, str]] = [
     (re.compile(r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)"),
      r"layers.\1.self_attn.qkv_proj", r"\3", r"\2"),
     (re.compile(r"model\.layers\.(\d+)\.mlp\.(gate|up)_proj\.weight"), r"layers.\1.mlp.gate_up_proj", "weight", r"\2"),
+    # mixture of experts: each expert's matrices into the stacked experts (layers/moe.py), Mixtral's names too
+    (re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(w[123]|(?:gate|up|down)_proj)\.weight"),
+     r"layers.\1.mlp.experts", r"\3", r"\2"),
+    (re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight"), r"layers.\1.mlp.gate", "weight", ""),
+    (re.compile(r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate|up)_proj\.weight"),
+     r"layers.\1.mlp.shared_expert.gate_up_proj", "weight", r"\2"),
 ]
 
 _GGUF_TO_HF: list[tuple[re.Pattern, str]] = [
@@ -203,7 +210,8 @@ def load_weights(model: torch.nn.Module, source: ModelSource, load_format: str =
             if target.shape != tensor.shape:
                 raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}")
             target.data.copy_(tensor)
-        loaded.add((module_path, param, shard))
+        parts = module.loaded_parts(param, shard) if hasattr(module, "loaded_parts") else [(param, shard)]
+        loaded.update((module_path, p, s) for p, s in parts)
     model.tie_weights()
     _check_complete(model, loaded)
     for m in model.modules():
@@ -211,15 +219,22 @@ def load_weights(model: torch.nn.Module, source: ModelSource, load_format: str =
             m.method.process_weights_after_loading(m)
 
 
+def _checkpoint_parts(module: torch.nn.Module) -> list[tuple[str, str]]:
+    """Every (param, shard) of `module` that a checkpoint must fill: a fused Linear's shards, a module's
+    own list where it has one (the experts), else each parameter whole."""
+    if hasattr(module, "checkpoint_parts"):
+        return module.checkpoint_parts()
+    shards = getattr(module, "shard_ranges", None) or {"": None}
+    return [(pname, shard) for pname, _ in module.named_parameters(recurse=False) for shard in shards]
+
+
 def _check_complete(model: torch.nn.Module, loaded: set[tuple[str, str, str]]) -> None:
     missing = []
     for path, module in model.named_modules():
-        shards = getattr(module, "shard_ranges", None)
-        for pname, _ in module.named_parameters(recurse=False):
-            if path == "lm_head" and model.config.tie_word_embeddings:
-                continue
-            for shard in (shards if shards is not None else {"": None}):
-                if (path, pname, shard) not in loaded:
-                    missing.append(f"{path}.{pname}{'[' + shard + ']' if shard else ''}")
+        if path == "lm_head" and model.config.tie_word_embeddings:
+            continue
+        for pname, shard in _checkpoint_parts(module):
+            if (path, pname, shard) not in loaded:
+                missing.append(f"{path}.{pname}{'[' + shard + ']' if shard else ''}")
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")

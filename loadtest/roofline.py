@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from common.config import ModelConfig
+from common.model_config import ModelConfig
 from common.model_source import ModelSource
 from loadtest.pagedserve_runs import greedy, make_llm
 

@@ -33,6 +33,32 @@ def build_tiny_model(folder: Path, arch: str, tokenizer, seed: int = 0, widen: b
     elif arch == "qwen3":
         cfg = tf.Qwen3Config(**common, head_dim=32)
         cls = tf.Qwen3ForCausalLM
+    elif arch == "phi3":     # LongRoPE with a short pretraining length (prompts cross it) and partial rotary
+        rot = int(16 * 0.75) // 2
+        cfg = tf.Phi3Config(**common, original_max_position_embeddings=24, pad_token_id=None, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.1 * i for i in range(rot)], "long_factor": [1.0 + 2.0 * i for i in range(rot)]})
+        cls = tf.Phi3ForCausalLM
+    elif arch == "mixtral":
+        cfg = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+        cls = tf.MixtralForCausalLM
+    elif arch == "qwen2_moe":   # a dense layer too, a shared expert, unnormalized top-k
+        cfg = tf.Qwen2MoeConfig(**{**common, "num_hidden_layers": 3}, num_experts=6, num_experts_per_tok=2,
+                                moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1])
+        cls = tf.Qwen2MoeForCausalLM
+    elif arch == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                head_dim=32, norm_topk_prob=True)
+        cls = tf.Qwen3MoeForCausalLM
+    elif arch == "gemma2":      # window 8: most prompts are longer; soft-capped attention and logits
+        cfg = tf.Gemma2Config(**{**common, "num_hidden_layers": 3, "tie_word_embeddings": True}, head_dim=16,
+                              sliding_window=8, query_pre_attn_scalar=16)
+        cls = tf.Gemma2ForCausalLM
+    elif arch == "gemma3":      # windowed layers around a full one, local and global rope bases
+        cfg = tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 3, "tie_word_embeddings": True}, head_dim=16,
+                                  sliding_window=8, query_pre_attn_scalar=16,
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        cls = tf.Gemma3ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

@@ -46,3 +46,26 @@ def make_meta(seqs: list[tuple[int, int]], block_size: int, num_blocks: int,
 
 def rand(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, device: torch.device = DEVICE) -> torch.Tensor:
     return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+
+
+def dense_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Attention written out per query token from the definition: the keys at positions
+    max(0, p - window + 1) .. p of its sequence, scores soft-capped, softmax in fp64."""
+    hkv, d = k_cache.shape[-2:]
+    group = query.shape[1] // hkv
+    out = torch.empty_like(query)
+    starts = meta.query_start_loc.tolist()
+    for i, (ctx, length) in enumerate(zip(meta.context_lens.tolist(), meta.seq_lens_list)):
+        slots = [int(meta.block_tables[i, t // meta.block_size]) * meta.block_size + t % meta.block_size
+                 for t in range(length)]
+        k = k_cache.reshape(-1, hkv, d)[slots].double().repeat_interleave(group, dim=1)   # [L, Hq, D]
+        v = v_cache.reshape(-1, hkv, d)[slots].double().repeat_interleave(group, dim=1)
+        for j, row in enumerate(range(starts[i], starts[i + 1])):
+            p = ctx + j
+            lo = 0 if window is None else max(0, p - window + 1)
+            s = torch.einsum("hd,thd->ht", query[row].double(), k[lo:p + 1]) * scale
+            if softcap is not None:
+                s = torch.tanh(s / softcap) * softcap
+            out[row] = torch.einsum("ht,thd->hd", s.softmax(-1), v[lo:p + 1]).to(query.dtype)
+    return out

@@ -9,7 +9,8 @@ import pytest
 from common.model_source import ModelSource
 from loadtest.tiny_model import build_tiny_model
 
-TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")   # llama3: Llama with Llama 3 rope scaling
+TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
+              "gemma3")   # llama3: Llama with Llama 3 rope scaling
 TIERS = ("unit", "slow", "e2e", "gpu")
 
 

@@ -16,7 +16,7 @@ KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, 
 ISAS = [isa for isa, level in native.ISA_LEVELS.items() if level <= native.cpu_isa()]
 
 
-def run(seqs, hq, hkv, head_dim, block_size, kv_dtype, native_on: bool, seed: int = 0) -> torch.Tensor:
+def run(seqs, hq, hkv, head_dim, block_size, kv_dtype, native_on: bool, seed: int = 0, **how) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum((c + q + block_size - 1) // block_size for c, q in seqs) + 3
     meta = make_meta(seqs, block_size, num_blocks, gen, CPU)
@@ -27,7 +27,7 @@ def run(seqs, hq, hkv, head_dim, block_size, kv_dtype, native_on: bool, seed: in
     backend = TorchAttentionBackend(native=native_on)
     prepared = backend.prepare(meta)
     assert (prepared.native is not None) == (native_on and any(q == 1 for _, q in seqs))
-    return backend.forward(query, key, value, k_cache, v_cache, prepared, head_dim ** -0.5, 0.5, 0.5)
+    return backend.forward(query, key, value, k_cache, v_cache, prepared, head_dim ** -0.5, 0.5, 0.5, **how)
 
 
 @pytest.mark.skipif(not native.available(), reason="the native kernels are not built")
@@ -41,6 +41,17 @@ def test_native_decode_matches_sdpa(seqs, kv_dtype, isa, force_isa):
         got = run(seqs, hq, hkv, d, 16, kv_dtype, True)
         want = run(seqs, hq, hkv, d, 16, kv_dtype, False)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernels are not built")
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("window,softcap", [(7, None), (None, 4.0), (7, 4.0)])
+def test_native_decode_window_and_softcap_match_sdpa(window, softcap, isa, force_isa):
+    force_isa(isa)
+    seqs = [(20, 1), (0, 1), (33, 1), (5, 1), (6, 1)]
+    got = run(seqs, 4, 2, 64, 16, torch.float32, True, window=window, softcap=softcap)
+    want = run(seqs, 4, 2, 64, 16, torch.float32, False, window=window, softcap=softcap)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.skipif(not native.available(), reason="the native kernels are not built")

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
-from common.config import ModelConfig
+from common.model_config import ModelConfig
 from common.model_source import DEFAULT_MODEL, ModelNotFound, ModelSource
 
 pytestmark = pytest.mark.unit
@@ -40,11 +41,45 @@ def test_unsupported_architecture_is_refused():
         ModelConfig.from_hf_config({"model_type": "gpt2", **TINY})
 
 
-def test_sliding_window_caps_the_context_instead_of_changing_outputs():
-    assert ModelConfig.from_hf_config({"model_type": "mistral", **TINY, "sliding_window": 4096}).max_context == 4096
-    assert ModelConfig.from_hf_config({"model_type": "mistral", **TINY, "sliding_window": None}).max_context == 32768
-    qwen = {"model_type": "qwen2", **TINY, "sliding_window": 4096, "use_sliding_window": False}
-    assert ModelConfig.from_hf_config(qwen).max_context == 32768
+def test_sliding_windows_are_per_layer_and_do_not_cap_the_context():
+    six = {**TINY, "num_hidden_layers": 6}
+    mistral = ModelConfig.from_hf_config({"model_type": "mistral", **six, "sliding_window": 4096})
+    assert mistral.windows == [4096] * 6 and mistral.max_context == 32768
+    assert ModelConfig.from_hf_config({"model_type": "mistral", **six, "sliding_window": None}).windows == [None] * 6
+    qwen = {"model_type": "qwen2", **six, "sliding_window": 4096, "use_sliding_window": False}
+    assert ModelConfig.from_hf_config(qwen).windows == [None] * 6
+    # the family rules where a config has no layer_types, and layer_types where it has them
+    assert ModelConfig.from_hf_config({"model_type": "gemma2", **six, "sliding_window": 8}).windows == [8, None] * 3
+    assert ModelConfig.from_hf_config({"model_type": "gemma3_text", **six, "sliding_window": 8,
+                                       "sliding_window_pattern": 3}).windows == [8, 8, None] * 2
+    given = ["full_attention", "sliding_attention"] * 3
+    assert ModelConfig.from_hf_config({"model_type": "qwen3", **six, "sliding_window": 8,
+                                       "layer_types": given}).windows == [None, 8] * 3
+    with pytest.raises(ValueError, match="layer_types must be 6"):
+        ModelConfig.from_hf_config({"model_type": "qwen3", **six, "sliding_window": 8, "layer_types": given[:5]})
+
+
+def test_moe_phi3_and_gemma_fields_are_read():
+    qwen_moe = ModelConfig.from_hf_config({"model_type": "qwen2_moe", **{**TINY, "num_hidden_layers": 4},
+                                           "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 4,
+                                           "shared_expert_intermediate_size": 6, "decoder_sparse_step": 2,
+                                           "mlp_only_layers": [3]})
+    assert [qwen_moe.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
+    assert (qwen_moe.num_experts, qwen_moe.norm_topk_prob, qwen_moe.qkv_bias) == (8, False, True)
+    mixtral = ModelConfig.from_hf_config({"model_type": "mixtral", **TINY, "num_local_experts": 4,
+                                          "num_experts_per_tok": 2})
+    assert mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 8
+    phi3 = ModelConfig.from_hf_config({"model_type": "phi3", **TINY, "partial_rotary_factor": 0.5,
+                                       "original_max_position_embeddings": 4096, "rope_scaling": {
+                                           "type": "su", "long_factor": [2.0, 2.0], "short_factor": [1.0, 1.0]}})
+    assert phi3.rotary_dim == 2 and phi3.rope_scaling["rope_type"] == "longrope"
+    assert phi3.rope_scaling["attention_factor"] == pytest.approx((1 + math.log(8) / math.log(4096)) ** 0.5)
+    gemma3 = ModelConfig.from_hf_config({"model_type": "gemma3_text", **TINY, "sliding_window": 4, "head_dim": 4,
+                                         "query_pre_attn_scalar": 16, "rope_parameters": {
+                                             "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    assert (gemma3.rope_theta, gemma3.local_rope_theta, gemma3.attn_scale) == (1e6, 1e4, 0.25)
+    assert gemma3.tie_word_embeddings and gemma3.qk_norm
 
 
 def test_llama3_rope_scaling_and_qwen_flags_are_read():

@@ -40,7 +40,7 @@ def _interpreter_on_cpu() -> None:
 
 
 def run_both(seqs: list[tuple[int, int]], hq: int, hkv: int, head_dim: int, block_size: int,
-             dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+             dtype: torch.dtype, seed: int = 0, **how) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a batch over a randomly filled cache (no write): Triton vs torch outputs."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum((c + q + block_size - 1) // block_size for c, q in seqs) + 3
@@ -52,8 +52,8 @@ def run_both(seqs: list[tuple[int, int]], hq: int, hkv: int, head_dim: int, bloc
     tri, ref = TritonAttentionBackend(), TorchAttentionBackend(native=False)   # the SDPA reference
     # the step's own K/V, as if write_kv had just put them at their slots (torch reads them for fresh prefills)
     key, value = (c.view(-1, hkv, head_dim)[meta.slot_mapping] for c in (k_cache, v_cache))
-    out = tri.forward(query, key, value, k_cache, v_cache, tri.prepare(meta), scale)
-    expected = ref.forward(query, key, value, k_cache, v_cache, ref.prepare(meta), scale)
+    out = tri.forward(query, key, value, k_cache, v_cache, tri.prepare(meta), scale, **how)
+    expected = ref.forward(query, key, value, k_cache, v_cache, ref.prepare(meta), scale, **how)
     return out, expected
 
 
@@ -64,6 +64,13 @@ def test_forward_mixed_batch_matches_torch(hq: int, hkv: int, block_size: int, d
     out, expected = run_both(MIXED, hq, hkv, 64, block_size, dtype)
     assert out.shape == expected.shape and out.dtype == expected.dtype
     torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("window,softcap", [(6, None), (1, None), (None, 5.0), (6, 5.0)])
+def test_forward_window_and_softcap_match_torch(window, softcap) -> None:
+    """Sliding windows (shorter than some chunks' query tiles, and 1) and Gemma 2's soft-capping."""
+    out, expected = run_both(MIXED, 4, 2, 32, 8, torch.float32, seed=7, window=window, softcap=softcap)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("head_dim", [128, 80], ids=["d128", "d80-non-pow2"])

@@ -12,7 +12,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from common.config import KV_CACHE_DTYPES, ModelConfig
+from common.config import KV_CACHE_DTYPES
+from common.model_config import ModelConfig
 
 
 @dataclass

@@ -38,8 +38,9 @@ def prepare(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc:
 
 
 def decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, nd: NativeDecodes,
-           scale: float) -> torch.Tensor:
-    """Attention output [Bd, Hq, D] (in query's dtype) of the decode rows, from the cache as it is stored."""
+           scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Attention output [Bd, Hq, D] (in query's dtype) of the decode rows, from the cache as it is stored;
+    `window` limits each to its last keys, `softcap` caps the scores (the kernel's header says how)."""
     q = query if nd.rows is None else query[nd.rows]
     q32 = q.float().contiguous()
     bd, hq, d = q32.shape
@@ -47,7 +48,8 @@ def decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, nd
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
     rc = native.library().psq_paged_decode(
         q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KV_DTYPE_CODES[k_cache.dtype], nd.tables.data_ptr(),
-        nd.tables.shape[1], nd.lens.data_ptr(), bd, hq, hkv, d, bs, scale, out.data_ptr(), native.cpu_isa())
+        nd.tables.shape[1], nd.lens.data_ptr(), bd, hq, hkv, d, bs, scale, out.data_ptr(), window or 0, softcap or 0.0,
+        native.cpu_isa())
     if rc != 0:
         raise ValueError(f"the native decode kernel cannot take {hq} query heads over {hkv} kv heads")
     return out if q.dtype == torch.float32 else out.to(q.dtype)

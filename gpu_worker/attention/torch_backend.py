@@ -5,10 +5,14 @@ one call per layer); otherwise as padded batched SDPA calls over K/V gathered bl
 the block tables, grouped by length so a few long sequences do not pad every short one. Prefill
 chunks run one SDPA call each (there are few per step); a fresh prefill with no cached context attends
 to its own new K/V directly, with no gather. Index tensors are built once per step in prepare().
+
+A windowed layer (sliding-window attention) masks the keys more than `window - 1` positions behind each
+query (the masks are built once per step and window); soft-capped scores (Gemma 2) are computed
+explicitly, since SDPA cannot cap them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +40,17 @@ class DecodeGroup:
     rows: torch.Tensor          # [Bd] their query rows
     blocks: torch.Tensor        # [Bd, nb] block ids to gather, padded to the longest
     mask: torch.Tensor          # [Bd, 1, 1, nb * block_size] valid key positions
+    seq_lens: torch.Tensor      # [Bd, 1, 1, 1] each decode's length (its query sits at length - 1)
     all_rows: bool = False      # the step's only work, rows 0..Bd-1 in order: no gather or scatter of rows
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)   # window -> mask
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.mask
+        if window not in self.windowed:
+            pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            self.windowed[window] = self.mask & (pos > self.seq_lens - 1 - window)
+        return self.windowed[window]
 
 
 @dataclass
@@ -46,6 +60,18 @@ class PrefillChunk:
     length: int                           # context + new tokens
     blocks: torch.Tensor | None = None    # block ids holding its keys; None for a fresh prefill
     mask: torch.Tensor | None = None      # [n, length] causal mask by absolute position
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)   # window -> mask
+
+    def mask_for(self, window: int | None, dev: torch.device) -> torch.Tensor | None:
+        """The mask of queries over keys by absolute position; None: plain causal over its own keys."""
+        if window is None:
+            return self.mask
+        if window not in self.windowed:
+            n = self.rows.stop - self.rows.start
+            qpos = torch.arange(self.length - n, self.length, device=dev)[:, None]
+            kpos = torch.arange(self.length, device=dev)[None, :]
+            self.windowed[window] = (kpos <= qpos) & (kpos > qpos - window)
+        return self.windowed[window]
 
 
 @dataclass
@@ -112,9 +138,10 @@ class TorchAttentionBackend:
         idx = torch.tensor(idx_list, device=dev)
         num_blocks = -(-max(meta.seq_lens_list[i] for i in idx_list) // meta.block_size)
         pos = torch.arange(num_blocks * meta.block_size, device=dev)
+        lens = meta.seq_lens[idx].to(pos.dtype)[:, None, None, None]
         return DecodeGroup(rows=meta.query_start_loc[idx].long(),
                            blocks=meta.block_tables[idx, :num_blocks].long(),
-                           mask=(pos[None, :] < meta.seq_lens[idx][:, None].to(pos.dtype))[:, None, None, :])
+                           mask=pos < lens, seq_lens=lens)
 
     def write_kv(self, key, value, k_cache, v_cache, meta: TorchAttentionMetadata, k_scale: float = 1.0,
                  v_scale: float = 1.0) -> None:
@@ -123,52 +150,69 @@ class TorchAttentionBackend:
         index_copy_rows(v_cache.view(-1, nh, hd), meta.slot_mapping, to_cache(value, v_cache.dtype, v_scale))
 
     def forward(self, query, key, value, k_cache, v_cache, meta: TorchAttentionMetadata, scale: float,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """query [T, Hq, D]; `key`/`value` [T, Hkv, D] are read directly by fresh prefills (no gather).
         K and V are read as the cache holds them (for fp8, divided by the layer's scales): the scales
-        multiply the softmax scale and the output, so every path sees the same values."""
+        multiply the softmax scale and the output, so every path sees the same values. `window`: each
+        query sees only its last `window` keys; `softcap`: scores become tanh(s / cap) * cap."""
         if k_cache.dtype in FP8_DTYPES and meta.prefills:
             key = to_cache(key, k_cache.dtype, k_scale).to(query.dtype)      # what a later step reads back
             value = to_cache(value, v_cache.dtype, v_scale).to(query.dtype)
         scale = scale * cache_scale(k_cache.dtype, k_scale)
         v_scale = cache_scale(v_cache.dtype, v_scale)
-        nd = meta.native
+        nd, how = meta.native, (scale, window, softcap)
         if nd is not None and nd.rows is None:
-            out = cpu_decode.decode(query, k_cache, v_cache, nd, scale)
+            out = cpu_decode.decode(query, k_cache, v_cache, nd, *how)
         elif len(meta.decodes) == 1 and meta.decodes[0].all_rows:
-            out = self._decode(query, k_cache, v_cache, meta.decodes[0], scale)
+            out = self._decode(query, k_cache, v_cache, meta.decodes[0], *how)
         else:
             out = torch.empty_like(query)
             if nd is not None:
-                out[nd.rows] = cpu_decode.decode(query, k_cache, v_cache, nd, scale)
+                out[nd.rows] = cpu_decode.decode(query, k_cache, v_cache, nd, *how)
             for g in meta.decodes:
-                out[g.rows] = self._decode(query, k_cache, v_cache, g, scale)
+                out[g.rows] = self._decode(query, k_cache, v_cache, g, *how)
             for p in meta.prefills:
-                out[p.rows] = self._prefill_attention(query, key, value, k_cache, v_cache, p, scale)
+                out[p.rows] = self._prefill_attention(query, key, value, k_cache, v_cache, p, *how)
         return out if v_scale == 1.0 else out * v_scale
 
-    def _decode(self, query, k_cache, v_cache, g: DecodeGroup, scale: float) -> torch.Tensor:
+    def _decode(self, query, k_cache, v_cache, g: DecodeGroup, scale: float, window: int | None,
+                softcap: float | None) -> torch.Tensor:
         nh, hd = k_cache.shape[-2:]
         bd, length = g.blocks.shape[0], g.blocks.shape[1] * k_cache.shape[1]
         q = (query if g.all_rows else query[g.rows]).unsqueeze(2)              # [Bd, Hq, 1, D]
         # gathering whole blocks copies contiguous chunks: much cheaper than a gather per slot
         k = self._gather("k", k_cache, g.blocks).view(bd, length, nh, hd).transpose(1, 2)   # [Bd, Hkv, L, D]
         v = self._gather("v", v_cache, g.blocks).view(bd, length, nh, hd).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=g.mask,
-                                           scale=scale, enable_gqa=True)
+        o = _attend(q, k.to(q.dtype), v.to(q.dtype), g.mask_for(window), scale, softcap)
         return o.squeeze(2)
 
-    def _prefill_attention(self, query, key, value, k_cache, v_cache, p: PrefillChunk, scale: float) -> torch.Tensor:
+    def _prefill_attention(self, query, key, value, k_cache, v_cache, p: PrefillChunk, scale: float,
+                           window: int | None, softcap: float | None) -> torch.Tensor:
         nh, hd = k_cache.shape[-2:]
         q = query[p.rows].transpose(0, 1).unsqueeze(0)                         # [1, Hq, n, D]: 4-D is SDPA's fast path
         if p.blocks is None:                                                   # fresh: no cached context
-            k, v = key[p.rows], value[p.rows]
-            o = F.scaled_dot_product_attention(q, k.transpose(0, 1).unsqueeze(0).to(q.dtype),
-                                               v.transpose(0, 1).unsqueeze(0).to(q.dtype), is_causal=True,
-                                               scale=scale, enable_gqa=True)
+            k, v = key[p.rows].transpose(0, 1).unsqueeze(0), value[p.rows].transpose(0, 1).unsqueeze(0)
         else:
             k = self._gather("k", k_cache, p.blocks).view(-1, nh, hd)[:p.length].transpose(0, 1).unsqueeze(0)
             v = self._gather("v", v_cache, p.blocks).view(-1, nh, hd)[:p.length].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=p.mask,
-                                               scale=scale, enable_gqa=True)
+        o = _attend(q, k.to(q.dtype), v.to(q.dtype), p.mask_for(window, q.device), scale, softcap)
         return o.squeeze(0).transpose(0, 1)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """Attention of q [B, Hq, n, D] over k, v [B, Hkv, L, D] with a boolean mask broadcast to [B, *, n, L]
+    (None: causal, n == L). SDPA unless the scores are soft-capped: then explicitly, the softmax in fp32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    if mask is None:
+        n = q.shape[-2]
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v

@@ -80,6 +80,8 @@ def _paged_attention_kernel(
     tile_seq_ptr, tile_qoff_ptr,
     qk_scale,                       # softmax scale * k scale * log2(e): the softmax runs in base 2 (exp2)
     v_scale,                        # the layer's v scale (1.0 unless the cache is fp8)
+    window,                         # > 0: each query sees its last `window` keys only (sliding window)
+    softcap,                        # with SOFTCAP: scores become softcap * tanh(score / softcap)
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kcb, stride_kco, stride_kch, stride_kcd,
@@ -92,6 +94,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,           # key positions per inner iteration
     HEAD_PAD: tl.constexpr,         # head_dim padded to a power of two (>= 16)
     IEEE_FP32: tl.constexpr,        # fp32 inputs: force "ieee" dots so fp32 stays fp32 (no tf32 rounding)
+    SOFTCAP: tl.constexpr,          # soft-capped scores (Gemma 2)
 ):
     """Program (tile, kv_head): attention of BLOCK_Q query tokens x G heads of one sequence."""
     tile = tl.program_id(0)
@@ -122,9 +125,13 @@ def _paged_attention_kernel(
 
     # Keys beyond the last valid query of this tile are never visible: stop there.
     kv_end = tl.minimum(seq_len, ctx_len + tl.minimum(q_off + BLOCK_Q, q_len))
+    # With a window, keys before the first query's window are never visible either: start there.
+    kv_start = 0
+    if window > 0:
+        kv_start = tl.maximum(ctx_len + q_off - window + 1, 0)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     n = tl.arange(0, TILE_N)
-    for start in range(0, kv_end, TILE_N):
+    for start in range(kv_start, kv_end, TILE_N):
         k_pos = start + n
         k_ok = k_pos < kv_end
         blk = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
@@ -137,8 +144,15 @@ def _paged_attention_kernel(
             s = tl.dot(q, k.to(q.dtype), input_precision="ieee")
         else:
             s = tl.dot(q, k.to(q.dtype))
-        s = s * qk_scale
+        if SOFTCAP:
+            # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates cleanly at +-1 (exp overflows to inf, or to 0)
+            x = s * (qk_scale / _LOG2E / softcap)
+            s = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (softcap * _LOG2E)
+        else:
+            s = s * qk_scale
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        if window > 0:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -256,9 +270,10 @@ class TritonAttentionBackend:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, tm: TritonAttentionMetadata, scale: float, k_scale: float = 1.0,
-                v_scale: float = 1.0) -> torch.Tensor:
+                v_scale: float = 1.0, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """query [T, Hq, D] -> [T, Hq, D]. Reads K/V only from the cache (write_kv must have run for this
-        step's tokens); the step's own `key`/`value` are not needed."""
+        step's tokens); the step's own `key`/`value` are not needed. `window` and `softcap` as in the
+        torch backend."""
         meta = tm.base
         _, attn_kernel = _kernels()
         num_tokens, num_q_heads, head_dim = query.shape
@@ -280,10 +295,11 @@ class TritonAttentionBackend:
             meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.context_lens,
             tile_seq, tile_qoff,
             float(scale) * cache_scale(k_cache.dtype, k_scale) * _LOG2E, cache_scale(v_cache.dtype, v_scale),
+            int(window or 0), float(softcap or 1.0),
             *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
             meta.block_tables.stride(0),
             head_dim, meta.block_size,
             G=group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=self.tile_n,
-            HEAD_PAD=_head_pad(head_dim), IEEE_FP32=query.dtype == torch.float32,
+            HEAD_PAD=_head_pad(head_dim), IEEE_FP32=query.dtype == torch.float32, SOFTCAP=softcap is not None,
         )
         return out

@@ -9,7 +9,8 @@
 // (0 fp32, 1 bf16, 2 fp16, 3 fp8 e4m3fn, 4 fp8 e5m2); block_tables int32 [B][max_blocks]; seq_lens int32
 // [B] counts the tokens to attend to, the current one included (it is written before attention). Query
 // head h reads kv head h / (Hq / Hkv). `scale` multiplies q.k (the caller folds the cache's k scale in);
-// the v scale is applied by the caller.
+// the v scale is applied by the caller. `window` > 0 limits each query to its last `window` keys (its own
+// included: sliding-window layers); `softcap` > 0 caps each score at tanh(s / softcap) * softcap (Gemma 2).
 //
 // Each entry point takes an `isa` level (2 AVX-512, 1 AVX2+FMA, 0 portable): the same loops compiled
 // for each target, chosen at run time, so every path can be tested on one machine.
@@ -40,7 +41,7 @@ inline float half_to_float(uint16_t h) {
 struct Args {
     const float* q; const void* k; const void* v; int kv_dtype;
     const int32_t* tables; int max_blocks; const int32_t* lens;
-    int B, Hq, Hkv, D, bs; float scale; float* out;
+    int B, Hq, Hkv, D, bs; float scale; float* out; int window; float softcap;
 };
 
 // One cache row (D entries of a token and kv head) as fp32: fp32 rows are used in place.
@@ -75,15 +76,18 @@ __attribute__((always_inline)) inline const float* row_at(const Args& a, const v
 // then the weighted sum of V rows (two passes over the cache, no rescaling per token).
 __attribute__((always_inline)) inline void attend(const Args& a, int b, int h, float* scores, float* buf,
                                                   float* acc) {
-    const int G = a.Hq / a.Hkv, L = a.lens[b], D = a.D;
+    const int G = a.Hq / a.Hkv, D = a.D;
+    const int first = a.window > 0 && a.lens[b] > a.window ? a.lens[b] - a.window : 0;
+    const int L = a.lens[b] - first;      // keys attended to: positions first .. lens[b] - 1
     const float* q = a.q + ((int64_t)b * a.Hq + (int64_t)h * G) * D;
     for (int t = 0; t < L; ++t) {
-        const float* k = row_at(a, a.k, b, t, h, buf);
+        const float* k = row_at(a, a.k, b, first + t, h, buf);
         for (int g = 0; g < G; ++g) {
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
             for (int i = 0; i < D; ++i) s += q[g * D + i] * k[i];
-            scores[g * L + t] = s * a.scale;
+            s *= a.scale;
+            scores[g * L + t] = a.softcap > 0.f ? tanhf(s / a.softcap) * a.softcap : s;
         }
     }
     float total[64];
@@ -96,7 +100,7 @@ __attribute__((always_inline)) inline void attend(const Args& a, int b, int h, f
     }
     memset(acc, 0, sizeof(float) * G * D);
     for (int t = 0; t < L; ++t) {
-        const float* v = row_at(a, a.v, b, t, h, buf);
+        const float* v = row_at(a, a.v, b, first + t, h, buf);
         for (int g = 0; g < G; ++g) {
             const float p = scores[(int64_t)g * L + t];
             float* o = acc + g * D;
@@ -134,9 +138,10 @@ extern "C" {
 // Returns 0, or -1 when the shapes are beyond the kernel (more than 64 query heads per kv head).
 int psq_paged_decode(const float* q, const void* k_cache, const void* v_cache, int kv_dtype, const int32_t* tables,
                      int max_blocks, const int32_t* seq_lens, int B, int Hq, int Hkv, int D, int block_size,
-                     float scale, float* out, int isa) {
+                     float scale, float* out, int window, float softcap, int isa) {
     if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > 64 || kv_dtype < 0 || kv_dtype > 4) return -1;
-    const Args a{q, k_cache, v_cache, kv_dtype, tables, max_blocks, seq_lens, B, Hq, Hkv, D, block_size, scale, out};
+    const Args a{q, k_cache, v_cache, kv_dtype, tables, max_blocks, seq_lens, B, Hq, Hkv, D, block_size, scale, out,
+                 window, softcap};
     if (isa >= 2) decode_avx512(a);
     else if (isa == 1) decode_avx2(a);
     else decode_portable(a);

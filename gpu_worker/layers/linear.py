@@ -65,7 +65,22 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def load(self, param: str, tensor: torch.Tensor, shard: str = "") -> None:
-        self.method.load_weight(self, param, tensor, shard)
+        """Shard "" of a fused layer is a checkpoint that fuses it too (Phi-3's qkv_proj and
+        gate_up_proj): its rows are cut into the shards, so each loads as if it came on its own."""
+        if shard or "" in self.shard_ranges:
+            self.method.load_weight(self, param, tensor, shard)
+            return
+        if tensor.shape[0] != self.out_features:
+            raise ValueError(f"fused {param}: checkpoint has {tensor.shape[0]} rows, expected {self.out_features} "
+                             f"({' + '.join(f'{n} {hi - lo}' for n, (lo, hi) in self.shard_ranges.items())})")
+        for name, (lo, hi) in self.shard_ranges.items():
+            self.method.load_weight(self, param, tensor[lo:hi], name)
+
+    def loaded_parts(self, param: str, shard: str) -> list[tuple[str, str]]:
+        """The (param, shard) pairs that load(param, _, shard) filled."""
+        if shard or "" in self.shard_ranges:
+            return [(param, shard)]
+        return [(param, name) for name in self.shard_ranges]
 
     def split(self, y: torch.Tensor) -> list[torch.Tensor]:
         return [y[..., lo:hi] for lo, hi in self.shard_ranges.values()]

@@ -1,5 +1,8 @@
 """RMSNorm computed in fp32, as the reference implementations do, whatever the run dtype; contiguous fp32
-rows on the CPU go through the native kernel (one pass a row, ~4x less than torch's composite op)."""
+rows on the CPU go through the native kernel (one pass a row, ~4x less than torch's composite op).
+
+Gemma's variant scales by (1 + weight) and multiplies before casting back; it is kept as an fp32 weight
+holding 1 + w, so in fp32 both variants are the same computation (and the same kernel)."""
 from __future__ import annotations
 
 import torch
@@ -10,10 +13,18 @@ from gpu_worker.kernels import native
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, gemma: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps, self.gemma = eps, gemma
+        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32 if gemma else dtype), requires_grad=False)
+
+    def load(self, param: str, tensor: torch.Tensor, shard: str = "") -> None:
+        if not isinstance(tensor, torch.Tensor):
+            tensor = tensor.dequantize()
+        if param != "weight" or tuple(tensor.shape) != tuple(self.weight.shape):
+            raise ValueError(f"expected a norm weight of shape {tuple(self.weight.shape)}, got {param} "
+                             f"{tuple(tensor.shape)}")
+        self.weight.data.copy_(tensor.float() + 1.0 if self.gemma else tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
@@ -29,4 +40,6 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (xf * self.weight).to(dtype)
         return self.weight * xf.to(dtype)

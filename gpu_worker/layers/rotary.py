@@ -1,5 +1,10 @@
 """Rotary position embeddings (half-rotation style, as in HF Llama; the rotation runs in the model dtype as HF does), with the cos/sin table
-computed once for every position up to max_model_len and gathered once per step (RotaryEmbedding.at)."""
+computed once for every position up to max_model_len and gathered once per step (RotaryEmbedding.at).
+
+Partial rotary (Phi-3 family) rotates the first `rotary_dim` features of each head and passes the rest.
+LongRoPE (Phi-3) keeps two tables, short factors and long, and picks per sequence per step as HF does for
+its one sequence: the long table once the sequence, with this step's tokens, is longer than the
+pretraining length (keys already cached keep the rotation they were written with, as in HF)."""
 from __future__ import annotations
 
 import math
@@ -25,25 +30,44 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
     elif kind == "linear":
         inv = inv / scaling["factor"]
     elif kind not in (None, "default"):
-        raise ValueError(f"rope scaling {kind!r} is not supported (supported: llama3, linear)")
+        raise ValueError(f"rope scaling {kind!r} is not supported (supported: llama3, linear, longrope)")
     return inv
 
 
+def _longrope_inv_freq(head_dim: int, theta: float, factors: list[float]) -> torch.Tensor:
+    ext = torch.tensor(factors, dtype=torch.float32)
+    if ext.numel() != head_dim // 2:
+        raise ValueError(f"longrope factors: {ext.numel()} given, {head_dim // 2} expected (rotary_dim / 2)")
+    return 1.0 / (ext * theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, dtype: torch.dtype):
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float, scaling: dict | None, dtype: torch.dtype):
         super().__init__()
-        inv = _inv_freq(head_dim, theta, scaling)
+        self.max_positions = max_positions
+        self.long_after: int | None = None      # LongRoPE: sequences longer than this use the long table
+        if (scaling or {}).get("rope_type") == "longrope":
+            self.long_after = scaling["original_max_position_embeddings"]
+            invs = [_longrope_inv_freq(rotary_dim, theta, scaling[k]) for k in ("short_factor", "long_factor")]
+            mscale = scaling["attention_factor"]
+        else:
+            invs, mscale = [_inv_freq(rotary_dim, theta, scaling)], 1.0
         t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv)
+        freqs = torch.cat([torch.outer(t, inv) for inv in invs])      # [tables * max_positions, rotary_dim / 2]
         freqs = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", freqs.cos() * mscale, persistent=False)
+        self.register_buffer("sin", freqs.sin() * mscale, persistent=False)
         self.dtype = dtype
 
-    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rotation":
-        """The rotation of this step's positions, gathered once and applied in every layer."""
-        cos = self.cos[positions].unsqueeze(1).to(dtype)
-        sin = self.sin[positions].unsqueeze(1).to(dtype)
+    def at(self, positions: torch.Tensor, dtype: torch.dtype, seq_ends: torch.Tensor | None = None) -> "Rotation":
+        """The rotation of this step's positions, gathered once and applied in every layer. `seq_ends`
+        [T]: the length each row's sequence reaches this step (LongRoPE's choice; default position + 1)."""
+        rows = positions
+        if self.long_after is not None:
+            ends = positions + 1 if seq_ends is None else seq_ends
+            rows = positions + (ends > self.long_after).to(positions.dtype) * self.max_positions
+        cos = self.cos[rows].unsqueeze(1).to(dtype)
+        sin = self.sin[rows].unsqueeze(1).to(dtype)
         half = sin.shape[-1] // 2
         return Rotation(cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1))
 
@@ -59,5 +83,8 @@ class Rotation:
         return self._rotate(q), self._rotate(k)
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
+        rot = self.cos.shape[-1]
+        if rot != x.shape[-1]:           # partial rotary: the tail of each head passes through
+            return torch.cat((self._rotate(x[..., :rot]), x[..., rot:]), dim=-1)
+        half = rot // 2
         return x * self.cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * self.sin

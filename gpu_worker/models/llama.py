@@ -1,19 +1,21 @@
-"""The Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm) over a flat batch.
+"""The Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm) over a flat batch, and
+the base the other architectures' files extend (Phi-3, the MoE models, Gemma).
 
 Inputs are the new tokens of every scheduled sequence concatenated into one [num_tokens] vector with
 their positions; attention reads and writes the paged KV cache through the backend and the step's
-metadata, so the model itself never sees sequences or padding.
+metadata, so the model itself never sees sequences or padding. A layer with a sliding window passes it
+to the backend, which masks keys outside it.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from common.config import ModelConfig
+from common.model_config import ModelConfig
 from gpu_worker.attention import AttentionBackend
+from gpu_worker.layers.activation import activation
 from gpu_worker.layers.embedding import VocabEmbedding
 from gpu_worker.layers.linear import Linear
 from gpu_worker.layers.norm import RMSNorm
@@ -21,15 +23,17 @@ from gpu_worker.layers.rotary import RotaryEmbedding, Rotation
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: torch.dtype):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, layer: int, gemma_norm: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.scale = c.head_dim ** -0.5
+        self.scale = c.attn_scale
+        self.window = c.layer_window(layer)
+        self.softcap = c.attn_logit_softcapping
         self.qkv_proj = Linear(c.hidden_size, {"q": c.num_heads * c.head_dim, "k": c.num_kv_heads * c.head_dim,
                                                "v": c.num_kv_heads * c.head_dim}, bias=c.qkv_bias, dtype=dtype)
         self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, dtype=dtype)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, gemma_norm) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, gemma_norm) if c.qk_norm else None
         self.k_scale = self.v_scale = 1.0      # what an fp8 KV cache divides K and V by
         self.kv_calibration_max: float | None = None   # set: take the scales from the next forward pass
 
@@ -63,29 +67,30 @@ class Attention(nn.Module):
         if self.kv_calibration_max is not None:
             self._calibrate_kv_scales(k, v)
         backend.write_kv(k, v, k_cache, v_cache, meta, self.k_scale, self.v_scale)
-        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
+        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
+                            window=self.window, softcap=self.softcap)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: torch.dtype):
+    def __init__(self, hidden: int, intermediate: int, act: str, dtype: torch.dtype):
         super().__init__()
-        self.gate_up_proj = Linear(c.hidden_size, {"gate": c.intermediate_size, "up": c.intermediate_size},
-                                   dtype=dtype)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, dtype=dtype)
+        self.gate_up_proj = Linear(hidden, {"gate": intermediate, "up": intermediate}, dtype=dtype)
+        self.down_proj = Linear(intermediate, hidden, dtype=dtype)
+        self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: torch.dtype):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, layer: int, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.self_attn = Attention(c, dtype)
+        self.self_attn = Attention(c, dtype, layer)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.mlp = MLP(c, dtype)
+        self.mlp = mlp
 
     def forward(self, x, rot, kv_cache, meta, backend):
         x = x + self.self_attn(self.input_layernorm(x), rot, kv_cache, meta, backend)
@@ -93,26 +98,41 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """Subclasses change the parts through make_layer / make_mlp / rotations / embed, not the loop."""
+
     def __init__(self, c: ModelConfig, dtype: torch.dtype, max_positions: int):
         super().__init__()
         self.config = c
         self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size, dtype)
-        self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(c, dtype) for _ in range(c.num_layers))
+        self.rope = RotaryEmbedding(c.rotary_dim, max_positions, c.rope_theta, c.rope_scaling, dtype)
+        self.layers = nn.ModuleList(self.make_layer(c, dtype, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype=dtype)
+
+    def make_layer(self, c: ModelConfig, dtype: torch.dtype, layer: int) -> nn.Module:
+        return DecoderLayer(c, dtype, layer, self.make_mlp(c, dtype, layer))
+
+    def make_mlp(self, c: ModelConfig, dtype: torch.dtype, layer: int) -> nn.Module:
+        return MLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.method.tie(self.lm_head, self.embed_tokens)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def rotations(self, positions: torch.Tensor, dtype: torch.dtype, seq_ends: torch.Tensor | None) -> list[Rotation]:
+        """Each layer's rotation of this step's positions (one shared table here)."""
+        return [self.rope.at(positions, dtype, seq_ends)] * self.config.num_layers
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any,
-                backend: AttentionBackend) -> torch.Tensor:
-        """`meta` is what backend.prepare() returned for this step; the model only passes it along."""
-        x = self.embed_tokens(input_ids)
-        rot = self.rope.at(positions, x.dtype)
-        for layer, kv in zip(self.layers, kv_caches):
+                backend: AttentionBackend, seq_ends: torch.Tensor | None = None) -> torch.Tensor:
+        """`meta` is what backend.prepare() returned for this step; the model only passes it along.
+        `seq_ends` [T]: the length each row's sequence reaches this step (LongRoPE reads it)."""
+        x = self.embed(input_ids)
+        for layer, rot, kv in zip(self.layers, self.rotations(positions, x.dtype, seq_ends), kv_caches):
             x = layer(x, rot, kv, meta, backend)
         return self.norm(x)
 

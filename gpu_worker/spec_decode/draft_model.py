@@ -88,7 +88,7 @@ class DraftModelProposer(Proposer):
             return
         inputs = build_step_inputs(views, scheduled, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.backend.prepare(inputs.attn),
-                            self.backend)
+                            self.backend, inputs.seq_ends)
         last = hidden[inputs.logits_indices]
         for i, seq_id in enumerate(inputs.sample_seq_ids):
             self._last_hidden[seq_id] = last[i]
