@@ -122,9 +122,6 @@ class ModelConfig:
     def max_context(self) -> int:
         return self.max_position_embeddings
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
 
 def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     """transformers 5 keeps rope settings in `rope_parameters` (per layer type for Gemma 3); older
@@ -166,8 +163,9 @@ def _layer_types(cfg: dict[str, Any], arch: str, n: int) -> list[str] | None:
     """Which layers are windowed: the config's layer_types where it has them, else each family's rule
     (Gemma 2 alternates, Gemma 3 has one full layer in every `sliding_window_pattern`; Mistral, Mixtral
     and Phi-3 window every layer when sliding_window is set; Qwen only with use_sliding_window)."""
-    if not cfg.get("sliding_window"):
-        return None
+    window = cfg.get("sliding_window")
+    if not window or window >= cfg.get("max_position_embeddings", window + 1):
+        return None      # no window, or one no context reaches (Phi-3-128k's): full attention
     types = cfg.get("layer_types")
     if types:
         if len(types) != n or set(types) - {SLIDING, FULL}:

@@ -182,9 +182,10 @@ class WorkerInfo:
     lora_targets: dict[str, tuple[int, int]] = field(default_factory=dict)   # with --enable-lora: common/lora.py
     max_loras: int = 0           # adapter slots (0: LoRA off on this worker)
     max_lora_rank: int = 0
-    # False where a block's keys depend on more than the tokens before it (LongRoPE rotates them by the
-    # sequence's length), so equal prefixes must not share blocks
+    # False where equal prefixes must not share blocks: LongRoPE rotates keys by the sequence's length,
+    # and a windowed layer's blocks leave the table as the sequence grows
     prefix_caching: bool = True
+    kv_group_windows: tuple = (None,)    # common/kv_layout.py: each KV group's window (None: full)
 
 
 @dataclass

@@ -12,6 +12,7 @@ import time
 import torch
 
 from common.config import DTYPES, EngineConfig
+from common.kv_layout import KVCacheLayout
 from common.model_config import ModelConfig
 from common.model_source import ModelSource
 from common.protocol import Logprob, ModelRunnerOutput, NewSequenceData, SchedulerOutput, WorkerInfo
@@ -72,12 +73,20 @@ class ModelRunner:
             if config.enable_lora else None
         self.backend = get_backend(config.attention_backend, self.device)
         self.block_size = config.block_size
+        self.kv_layout = KVCacheLayout.for_windows(self.model_config.windows)
+        if self.kv_layout.windowed and self.model.rope.long_after is not None:
+            raise ValueError("a model with both LongRoPE and sliding windows is not supported: the switch to "
+                             "the long factors recomputes keys that the windows have already released")
         self.eos_ids: set[int] = set(self.model_config.eos_token_ids)   # the engine adds the tokenizer's
         self.seqs: dict[str, SequenceState] = {}
         spec = SpeculativeConfig.parse(config.speculative_config)
+        if spec is not None and spec.method == "draft_model" and self.kv_layout.num_groups > 1:
+            raise ValueError("a draft model needs the target's block table, and this model's layers keep "
+                             "several (sliding windows); use the ngram method")
         self.proposer: Proposer | None = build_proposer(spec, self) if spec else None
         self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec else None
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []     # one pair per cache slot of a group
+        self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: its slot's pair
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # ---- start-up ----------------------------------------------------------------------------
@@ -94,18 +103,20 @@ class ModelRunner:
                           lora_targets=self.lora.targets if self.lora else {},
                           max_loras=self.lora.max_loras if self.lora else 0,
                           max_lora_rank=self.lora.max_rank if self.lora else 0,
-                          prefix_caching=self._prefix_caching_safe())
+                          prefix_caching=self._prefix_caching_safe(),
+                          kv_group_windows=self.kv_layout.group_windows)
 
     def _prefix_caching_safe(self) -> bool:
         """LongRoPE keys are rotated by their sequence's length (short and long factors), so a block of the
-        same tokens differs between sequences: such a model runs without prefix caching."""
+        same tokens differs between sequences; windowed layers release a sequence's old blocks. Such
+        models run without prefix caching."""
         long_after = self.model.rope.long_after
-        if long_after is None or long_after >= self.max_model_len:
-            return True
-        if self.config.enable_prefix_caching:
-            log.info("prefix caching is off: LongRoPE rotates a sequence's keys differently once it is "
-                     "longer than %d tokens", long_after)
-        return False
+        why = "LongRoPE rotates a sequence's keys differently once it is longer than %d tokens" % long_after \
+            if long_after is not None and long_after < self.max_model_len else \
+            "sliding-window layers release blocks behind their window" if self.kv_layout.windowed else None
+        if why and self.config.enable_prefix_caching:
+            log.info("prefix caching is off: %s", why)
+        return why is None
 
     def _calibrate_kv_scales_on_first_step(self) -> None:
         """Every attention layer (draft model's included) takes its fp8 scales from the first real step,
@@ -120,7 +131,7 @@ class ModelRunner:
                 m.kv_calibration_max = fmax
 
     def block_bytes(self) -> int:
-        own = kv_block_bytes(self.model_config, self.block_size, self.kv_dtype)
+        own = kv_block_bytes(self.model_config, self.block_size, self.kv_dtype, self.kv_layout.group_size)
         return own + (self.proposer.block_bytes(self.block_size) if self.proposer else 0)
 
     def profile_num_blocks(self) -> tuple[int, int]:
@@ -144,18 +155,20 @@ class ModelRunner:
     def _dummy_forward(self) -> None:
         """One full-budget step on a throwaway cache, so profiling sees the peak activation memory."""
         n = self.config.max_num_batched_tokens
-        saved = self.kv_caches
+        saved = self.kv_caches, self.layer_caches
         num_blocks = max(1, -(-n // self.block_size))
         self.init_kv_cache(num_blocks, 0)
         seq = NewSequenceData("__profile__", [0] * n, n, SamplingParams(max_tokens=1, temperature=0),
-                              list(range(num_blocks)), 0, n)
+                              [b for b in range(num_blocks) for _ in range(self.kv_layout.num_groups)], 0, n)
         self.execute(SchedulerOutput(step_id=-1, new_seqs=[seq]))
         self.seqs.pop(seq.seq_id)
-        self.kv_caches = saved
+        self.kv_caches, self.layer_caches = saved
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
         self.kv_caches, self.host_caches = allocate_kv_cache(self.model_config, num_blocks, num_host_blocks,
-                                                             self.block_size, self.kv_dtype, self.device)
+                                                             self.block_size, self.kv_dtype, self.device,
+                                                             self.kv_layout.group_size)
+        self.layer_caches = [self.kv_caches[slot] for slot in self.kv_layout.layer_slot]
         if self.proposer is not None:
             self.proposer.init_cache(num_blocks, num_host_blocks)
 
@@ -176,8 +189,10 @@ class ModelRunner:
             scheduled.sort(key=lambda s: self.seqs[s[0]].lora_id)
         if not scheduled:
             return out
-        inputs = build_step_inputs(self.seqs, scheduled, self.block_size, self.device, self.model.rope.long_after)
-        attn = self.backend.prepare(inputs.attn)
+        inputs = build_step_inputs(self.seqs, scheduled, self.block_size, self.device, self.model.rope.long_after,
+                                   self.kv_layout.num_groups)
+        prepared = [self.backend.prepare(m) for m in inputs.attn_groups]
+        attn = [prepared[g] for g in self.kv_layout.layer_group]       # each layer's group's metadata
         hidden = self._forward(inputs, attn)
         if inputs.sample_seq_ids:
             self._sample(hidden, inputs, out)
@@ -190,10 +205,10 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs, attn) -> torch.Tensor:
         """The target model over the step's rows, each under its sequence's adapter slot."""
         if self.lora is None:
-            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn, self.backend, inputs.seq_ends)
+            return self.model(inputs.input_ids, inputs.positions, self.layer_caches, attn, self.backend, inputs.seq_ends)
         self.lora.begin_step(inputs.lora_ids)
         try:
-            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn, self.backend, inputs.seq_ends)
+            return self.model(inputs.input_ids, inputs.positions, self.layer_caches, attn, self.backend, inputs.seq_ends)
         finally:
             self.lora.end_step()
 

@@ -87,12 +87,18 @@ class StepInputs:
     input_ids: torch.Tensor                 # [T]
     positions: torch.Tensor                 # [T]
     seq_ends: torch.Tensor                  # [T] its sequence's known length: its prompt, or this step's end
-    attn: AttentionMetadata
+    attn_groups: list[AttentionMetadata]    # per KV group (common/kv_layout.py): the same rows, its own tables
     logits_indices: torch.Tensor            # [R] rows to compute logits on and sample from
     sample_seq_ids: list[str]               # sequences that sample this step, in row order
     num_samples: list[int]                  # logits rows per sampling sequence: 1, or k + 1 with k drafts
     prompt_logprobs: dict[str, PromptLogprobRows]
     lora_ids: torch.Tensor | None = None    # [T] adapter key per row, on the CPU; None when all run the base model
+
+    @property
+    def attn(self) -> AttentionMetadata:
+        """The metadata of a model with one KV group (every model without sliding windows)."""
+        assert len(self.attn_groups) == 1, "this model's layers read several KV groups: use attn_groups"
+        return self.attn_groups[0]
 
     def sampling_states(self, states: dict[str, SequenceState]) -> list[SequenceState]:
         """The state behind each logits row. A sequence with drafts owns k + 1 consecutive rows; row j sees
@@ -129,7 +135,7 @@ def _reads_history(st: SequenceState) -> bool:
 
 
 def build_step_inputs(states: dict[str, SequenceState], scheduled: list[tuple[str, int]], block_size: int,
-                      device: torch.device, long_rope_after: int | None = None) -> StepInputs:
+                      device: torch.device, long_rope_after: int | None = None, num_groups: int = 1) -> StepInputs:
     """Flat inputs for `scheduled` (seq_id, num_new_tokens) pairs, in that order. `long_rope_after`:
     a LongRoPE model's pretraining length (layers/rotary.py): a sequence whose cached keys were rotated
     with the short factors and that now grows past it runs all of its tokens again, so every key is
@@ -152,16 +158,20 @@ def build_step_inputs(states: dict[str, SequenceState], scheduled: list[tuple[st
         if start + n >= len(st.token_ids) + len(st.spec_token_ids):
             sample_ids.append(seq_id)
             num_samples.append(1 + len(st.spec_token_ids))
-    meta, qsl = _attention_metadata(ctx_lens, q_lens, tables, block_size)
+    groups = [_attention_metadata(ctx_lens, q_lens, [t[g::num_groups] for t in tables], block_size)
+              for g in range(num_groups)]
+    qsl = groups[0][1]
     row = {seq_id: i for i, (seq_id, _) in enumerate(scheduled)}
     ends = qsl[1:].tolist()
     logits_rows = [ends[row[s]] - k + j for s, k in zip(sample_ids, num_samples) for j in range(k)]
     seq_idx = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(q_lens))
+    for meta, _ in groups:           # the same positions in each; the slots differ by table
+        positions = _positions(meta, qsl, seq_idx)
     return StepInputs(
         input_ids=torch.tensor(tokens, device=device),
-        positions=_positions(meta, qsl, seq_idx).to(device),
+        positions=positions.to(device),
         seq_ends=torch.tensor(known_lens)[seq_idx].to(device),
-        attn=_to(meta, device),
+        attn_groups=[_to(meta, device) for meta, _ in groups],
         logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=device),
         sample_seq_ids=sample_ids, num_samples=num_samples,
         prompt_logprobs=_prompt_logprob_rows(states, scheduled, qsl, device),
@@ -188,6 +198,7 @@ def _attention_metadata(ctx_lens: list[int], q_lens: list[int], tables: list[lis
     bt = torch.zeros(num_seqs, max(len(t) for t in tables), dtype=torch.int32)
     for i, t in enumerate(tables):
         bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    bt.clamp_(min=0)        # released (NULL_BLOCK) entries lie outside every window: any block reads as masked
     meta = AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.long), query_start_loc=qsl, seq_lens=seq_lens,
         context_lens=ctx_t, block_tables=bt, block_size=block_size, max_query_len=max(q_lens),

@@ -25,7 +25,7 @@ def build_tiny_model(folder: Path, arch: str, tokenizer, seed: int = 0, widen: b
             "original_max_position_embeddings": 64})
         cls = tf.LlamaForCausalLM
     elif arch == "mistral":
-        cfg = tf.MistralConfig(**common, sliding_window=None)
+        cfg = tf.MistralConfig(**{"sliding_window": None, **common})
         cls = tf.MistralForCausalLM
     elif arch == "qwen2":
         cfg = tf.Qwen2Config(**{**common, "tie_word_embeddings": True})

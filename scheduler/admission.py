@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from common.protocol import EngineRequest
 from scheduler.config import SchedulerConfig
-from scheduler.kv_cache_manager import cdiv
+from common.kv_layout import max_blocks_held
 
 
 class RequestRejected(ValueError):
@@ -46,7 +46,7 @@ def _check_length(n_prompt: int, asked: int | None, c: SchedulerConfig) -> int:
     if n_prompt + max_tokens > c.max_model_len:
         raise RequestRejected(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = {n_prompt + max_tokens} "
                               f"exceeds max_model_len {c.max_model_len}", 400, "max_tokens")
-    need = cdiv(n_prompt + max_tokens, c.block_size)
+    need = max_blocks_held(c.kv_group_windows, n_prompt + max_tokens, c.block_size, c.max_num_batched_tokens)
     if need > c.num_blocks:
         raise RequestRejected(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks but "
                               f"the cache holds only {c.num_blocks} blocks of {c.block_size} tokens "

@@ -2,9 +2,15 @@
 
 It answers "can this sequence get room for n more tokens?" and does the block bookkeeping for prefix
 hits, copy-on-write after a fork, and swapping; the scheduler decides when.
+
+A model with sliding-window layers has several KV groups (common/kv_layout.py): a table holds one block
+per group for each logical block, interleaved, and a windowed group's blocks that lie wholly before
+the window of a sequence's next token are freed as it grows (their entries become NULL_BLOCK), so its
+KV use stays bounded by the window. Such models run without prefix caching.
 """
 from __future__ import annotations
 
+from common.kv_layout import NULL_BLOCK
 from scheduler.block_pool import BlockPool
 from scheduler.sequence import Sequence
 
@@ -13,15 +19,24 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _held(table: list[int]) -> list[int]:
+    return [b for b in table if b != NULL_BLOCK]
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0,
+                 group_windows: tuple[int | None, ...] = (None,)):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.group_windows = tuple(group_windows)
+        self.num_groups = len(self.group_windows)
+        windowed = any(w is not None for w in self.group_windows)
+        self.pool = BlockPool(num_blocks, enable_caching and not windowed)
         self.num_host_blocks = num_host_blocks
         self.host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
         self.tables: dict[str, list[int]] = {}          # seq_id -> device block table
         self.host_tables: dict[str, list[int]] = {}     # seq_id -> host blocks of a swapped-out sequence
         self.num_hashed: dict[str, int] = {}   # leading blocks already registered in the prefix cache
+        self.num_released: dict[str, list[int]] = {}   # per group: leading logical blocks freed (windows)
 
     @property
     def enable_caching(self) -> bool:
@@ -69,10 +84,13 @@ class KVCacheManager:
             assert not table, "prefix hits are only taken by a sequence holding no blocks"
         start = seq.num_computed_tokens
         end = start + num_new_tokens
-        have = len(table) + len(computed_blocks)
-        need_new = max(0, cdiv(end, self.block_size) - have)
-        cow = [i for i in range(start // self.block_size, min(cdiv(end, self.block_size), len(table)))
-               if self._must_copy(seq, table[i], i)]
+        self._release_outside_windows(seq.seq_id, table, start if seq.kv_keep_from is None
+                                      else min(start, seq.kv_keep_from))
+        g = self.num_groups
+        have = len(table) // g + len(computed_blocks)
+        need_new = max(0, cdiv(end, self.block_size) - have) * g
+        cow = [i for i in range(start // self.block_size * g, min(cdiv(end, self.block_size) * g, len(table)))
+               if table[i] != NULL_BLOCK and self._must_copy(seq, table[i], i)]
         fresh_computed = sum(1 for b in computed_blocks if self.pool.blocks[b].ref_cnt == 0)
         if need_new + len(cow) + fresh_computed > self.pool.num_free:
             if not table:
@@ -94,6 +112,27 @@ class KVCacheManager:
             self.num_hashed[seq.seq_id] = min(self.num_hashed.get(seq.seq_id, 0), cow[0])
         table.extend(self.pool.allocate(need_new))
         return copies, first_changed
+
+    def _release_outside_windows(self, seq_id: str, table: list[int], start: int) -> None:
+        """Free each windowed group's blocks wholly before the window of token `start`, the first this
+        step computes (or the first one a fork will compute): no query of this step or a later one
+        reads them."""
+        g, bs = self.num_groups, self.block_size
+        released = self.num_released.setdefault(seq_id, [0] * g)
+        for group, w in enumerate(self.group_windows):
+            if w is None:
+                continue
+            upto = min(len(table) // g, max(0, (start - w + 1) // bs))
+            for j in range(released[group] * g + group, upto * g, g):
+                if table[j] != NULL_BLOCK:
+                    self.pool.free([table[j]])
+                    table[j] = NULL_BLOCK
+            released[group] = max(released[group], upto)
+
+    def blocks_held(self, seq_id: str) -> list[int]:
+        """Per group, the blocks a sequence holds now (its table less the released entries)."""
+        table = self.table(seq_id)
+        return [len(_held(table[group::self.num_groups])) for group in range(self.num_groups)]
 
     def _must_copy(self, seq: Sequence, block_id: int, index: int) -> bool:
         """A block is copied before a write when others read it too, or when it is in the prefix cache
@@ -122,39 +161,42 @@ class KVCacheManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent; writes into shared blocks copy first."""
         blocks = list(self.tables[parent.seq_id])
-        self.pool.incref(blocks)
+        self.pool.incref(_held(blocks))
         self.tables[child.seq_id] = blocks
         self.num_hashed[child.seq_id] = self.num_hashed.get(parent.seq_id, 0)
+        self.num_released[child.seq_id] = list(self.num_released.get(parent.seq_id, [0] * self.num_groups))
 
     def free(self, seq: Sequence) -> None:
         table = self.tables.pop(seq.seq_id, [])
-        self.pool.free(table[::-1])
+        self.pool.free(_held(table)[::-1])
         self.num_hashed.pop(seq.seq_id, None)
-        self.host_free.extend(self.host_tables.pop(seq.seq_id, []))
+        self.num_released.pop(seq.seq_id, None)
+        self.host_free.extend(_held(self.host_tables.pop(seq.seq_id, [])))
 
     # ---- swapping ------------------------------------------------------------------------------
+    # Released entries stay NULL_BLOCK on the host and back: only held blocks move.
     def can_swap_out(self, seq: Sequence) -> bool:
-        return len(self.table(seq.seq_id)) <= len(self.host_free)
+        return len(_held(self.table(seq.seq_id))) <= len(self.host_free)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         table = self.tables.pop(seq.seq_id)
-        host = [self.host_free.pop() for _ in table]
+        host = [NULL_BLOCK if b == NULL_BLOCK else self.host_free.pop() for b in table]
         self.host_tables[seq.seq_id] = host
-        self.pool.free(table[::-1])
+        self.pool.free(_held(table)[::-1])
         self.num_hashed.pop(seq.seq_id, None)
-        return list(zip(table, host))
+        return [(d, h) for d, h in zip(table, host) if d != NULL_BLOCK]
 
     def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
-        need = max(len(self.host_tables[seq.seq_id]),
-                   cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size))
-        return need <= self.pool.num_free
+        host = self.host_tables[seq.seq_id]
+        grow = max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(host) // self.num_groups)
+        return len(_held(host)) + grow * self.num_groups <= self.pool.num_free
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         host = self.host_tables.pop(seq.seq_id)
-        dev = self.pool.allocate(len(host))
-        self.tables[seq.seq_id] = dev
-        self.host_free.extend(host)
-        return list(zip(host, dev))
+        dev = iter(self.pool.allocate(len(_held(host))))
+        self.tables[seq.seq_id] = [NULL_BLOCK if h == NULL_BLOCK else next(dev) for h in host]
+        self.host_free.extend(_held(host))
+        return [(h, d) for h, d in zip(host, self.tables[seq.seq_id]) if h != NULL_BLOCK]
 
     # ---- invariants ----------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -163,12 +205,14 @@ class KVCacheManager:
         self.pool.check_invariants()
         owners = [0] * self.pool.num_blocks
         for seq_id, table in self.tables.items():
-            _require(len(set(table)) == len(table), f"{seq_id} holds a block twice: {table}")
-            for bid in table:
+            held = _held(table)
+            _require(len(set(held)) == len(held), f"{seq_id} holds a block twice: {table}")
+            _require(len(table) % self.num_groups == 0, f"{seq_id}'s table is not whole logical blocks: {table}")
+            for bid in held:
                 owners[bid] += 1
         _require(owners == [self.pool.ref_count(b) for b in range(self.pool.num_blocks)],
                  "ref counts differ from the number of block tables holding each block")
-        host_owned = [h for table in self.host_tables.values() for h in table]
+        host_owned = [h for table in self.host_tables.values() for h in _held(table)]
         _require(len(host_owned) == len(set(host_owned)), "a host block is owned twice")
         _require(not set(host_owned) & set(self.host_free), "a host block is both free and owned")
         _require(sorted(host_owned + self.host_free) == list(range(self.num_host_blocks)), "a host block is lost")

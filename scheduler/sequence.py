@@ -57,6 +57,9 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     first_scheduled_time: float | None = None
     lora: LoRAAdapter | None = None      # the adapter it runs under; None: the base model
+    # the earliest token whose sliding windows must keep their blocks: an n > 1 parent keeps its last
+    # prompt token's, from which the choices not yet forked start (None: the token being computed)
+    kv_keep_from: int | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

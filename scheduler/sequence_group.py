@@ -25,6 +25,8 @@ class SequenceGroup:
 
     @classmethod
     def create(cls, parent: Sequence, n: int) -> "SequenceGroup":
+        if n > 1:
+            parent.kv_keep_from = parent.num_prompt_tokens - 1
         return cls(parent, unborn=set(range(1, n)))
 
     ##### Public API #####
@@ -52,6 +54,7 @@ class SequenceGroup:
         blocks) they wait and compute the prompt themselves."""
         born = [self._child(i, share_blocks) for i in sorted(self.unborn)]
         self.unborn.clear()
+        self.parent.kv_keep_from = None
         self.children.extend(born)
         return born
 
@@ -62,6 +65,8 @@ class SequenceGroup:
             index = -1
         dropped = sorted(i for i in self.unborn if index in (-1, i))
         self.unborn.difference_update(dropped)
+        if not self.unborn:
+            self.parent.kv_keep_from = None
         live = [s for s in self.seqs if index in (-1, s.index) and not s.is_finished]
         return dropped, live
 

@@ -27,7 +27,7 @@ from scheduler.scheduler import Scheduler
 pytestmark = pytest.mark.unit
 
 EOS = 2
-SlotRecord = tuple[int, int, int]   # (position, token, adapter key) written into one KV slot
+SlotRecord = tuple[int, int, int, int]   # (position, token, adapter key, KV group) written into one KV slot
 
 
 def default_token(seq_id: str, position: int) -> int:
@@ -55,12 +55,14 @@ class FakeRunner:
         self.scheduler = scheduler
         self.num_drafts = num_drafts       # > 0: propose this many drafts after every sample
         self.bs = scheduler.config.block_size
+        self.windows = scheduler.config.kv_group_windows    # the table's KV groups (common/kv_layout.py)
         self.script = script or {}         # seq_id -> tokens to sample, in order, before default_token
         self.reqs: dict[str, WorkerState] = {}
         self.dev: dict[int, dict[int, SlotRecord]] = {}
         self.host: dict[int, dict[int, SlotRecord]] = {}
         self.num_kv_checks = 0
         self.num_lookahead_checks = 0
+        self.tables_seen: list[tuple[int, ...]] = []
         self.lora_slots: dict[int, int] = {}   # slot -> adapter key, as the scheduler's loads filled them
         self.reqs_lora: dict[str, int] = {}    # seq_id -> its adapter key, kept after it finishes
 
@@ -110,10 +112,15 @@ class FakeRunner:
         drafts = {seq_id: sched.spec_token_ids.get(seq_id, []) for seq_id, _ in scheduled}
         for seq_id, n in scheduled:
             st = self.reqs[seq_id]
-            assert st.block_ids == self.scheduler.kv.table(seq_id), f"{seq_id}: worker block table is stale"
+            table = self.scheduler.kv.table(seq_id)
+            self.tables_seen.append(tuple(table))
+            # a released entry (-1) need not reach the worker: nothing reads it again
+            assert len(st.block_ids) == len(table) and all(b in (w, -1) for w, b in zip(st.block_ids, table)), \
+                f"{seq_id}: worker block table is stale"
             assert n >= 1 and st.num_computed_tokens + n <= len(st.token_ids) + len(drafts[seq_id])
             assert not drafts[seq_id] or st.num_computed_tokens + n == len(st.token_ids) + len(drafts[seq_id])
-            assert len(st.block_ids) * self.bs >= st.num_computed_tokens + n, f"{seq_id}: no slot to write"
+            assert len(st.block_ids) // len(self.windows) * self.bs >= st.num_computed_tokens + n, \
+                f"{seq_id}: no slot to write"
             self.check_lookahead(seq_id, st, n)
 
         # Like every attention layer: the whole step's K/V is written first, then each request reads its
@@ -121,8 +128,10 @@ class FakeRunner:
         for seq_id, n in scheduled:
             st = self.reqs[seq_id]
             known = st.token_ids + drafts[seq_id]
-            for pos in range(st.num_computed_tokens, st.num_computed_tokens + n):
-                self.dev.setdefault(st.block_ids[pos // self.bs], {})[pos % self.bs] = (pos, known[pos], st.lora_id)
+            for g in range(len(self.windows)):
+                table = st.block_ids[g::len(self.windows)]
+                for pos in range(st.num_computed_tokens, st.num_computed_tokens + n):
+                    self.dev.setdefault(table[pos // self.bs], {})[pos % self.bs] = (pos, known[pos], st.lora_id, g)
         for seq_id, n in scheduled:
             st = self.reqs[seq_id]
             self.check_context(seq_id, st, st.num_computed_tokens + n, st.token_ids + drafts[seq_id])
@@ -153,7 +162,8 @@ class FakeRunner:
         seq = self.scheduler.seqs.get(seq_id)
         if k and seq is not None and end >= len(st.token_ids):
             want = min(end + k, seq.num_prompt_tokens + seq.max_tokens, self.scheduler.config.max_model_len)
-            assert len(st.block_ids) * self.bs >= want, f"{seq_id}: {len(st.block_ids)} blocks, no lookahead to {want}"
+            have = len(st.block_ids) // len(self.windows)
+            assert have * self.bs >= want, f"{seq_id}: {have} blocks, no lookahead to {want}"
             self.num_lookahead_checks += 1
 
     def check_lora_slots(self, sched: SchedulerOutput, keys: list[int]) -> None:
@@ -168,16 +178,27 @@ class FakeRunner:
         assert used <= set(self.lora_slots.values()), f"adapters {used - set(self.lora_slots.values())} have no slot"
 
     def check_context(self, seq_id: str, st: WorkerState, end: int, tokens: list[int]) -> None:
-        """Every position the request attends to (its context and this step's tokens) holds its own token."""
-        for pos in range(end):
-            got = self.dev.get(st.block_ids[pos // self.bs], {}).get(pos % self.bs)
-            want = (pos, tokens[pos], st.lora_id)
-            assert got == want, f"{seq_id}: KV at position {pos} holds {got}, expected {want}"
+        """Every position the request attends to (its context and this step's tokens) holds its own token,
+        in each KV group: all of them for full attention, from the window of the step's first token on
+        for a windowed group (the blocks before it may be released)."""
+        for g, window in enumerate(self.windows):
+            table = st.block_ids[g::len(self.windows)]
+            first = 0 if window is None else max(0, st.num_computed_tokens - window + 1)
+            for pos in range(first, end):
+                got = self.dev.get(table[pos // self.bs], {}).get(pos % self.bs)
+                want = (pos, tokens[pos], st.lora_id, g)
+                assert got == want, f"{seq_id}: group {g} KV at position {pos} holds {got}, expected {want}"
         self.num_kv_checks += 1
 
 
 def check_scheduler_state(s: Scheduler) -> None:
     s.kv.check_invariants()
+    c = s.config
+    for r in s.running:            # a windowed group holds the window behind a step plus the step, no more
+        for held, w in zip(s.kv.blocks_held(r.seq_id), c.kv_group_windows):
+            if w is not None:
+                bound = -(-(w - 1 + c.max_num_batched_tokens + c.spec_lookahead_slots) // c.block_size) + 1
+                assert held <= bound, f"{r.seq_id}: {held} blocks in a window-{w} group, bound {bound}"
     on_device, swapped_out = s.kv.on_device(), s.kv.swapped_out()
     for r in s.running:
         assert r.status is Status.RUNNING and r.seq_id in on_device
@@ -754,22 +775,24 @@ request_strategy = st.tuples(
        budget=st.integers(4, 40), max_num_seqs=st.integers(1, 8), caching=st.booleans(),
        aborts=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 6), st.integers(-1, 2)), max_size=3),
        pipelined=st.booleans(), num_drafts=st.sampled_from([0, 1, 3]), lookahead=st.booleans(),
-       max_loras=st.sampled_from([0, 1, 2]))
+       max_loras=st.sampled_from([0, 1, 2]), windows=st.sampled_from([(None,), (None,), (6,), (None, 5), (5, None, 9)]))
 def test_random_workloads_keep_blocks_consistent_and_outputs_correct(
         reqs: list[tuple[int, int, int, int, int]], num_blocks: int, num_host_blocks: int, budget: int,
         max_num_seqs: int, caching: bool, aborts: list[tuple[int, int, int]], pipelined: bool,
-        num_drafts: int, lookahead: bool, max_loras: int) -> None:
+        num_drafts: int, lookahead: bool, max_loras: int, windows: tuple) -> None:
     """pipelined: step N+1 is scheduled before step N's samples are back, as the scheduler process does.
     num_drafts: the worker proposes drafts (some wrong) after every sample, verified in the next step;
     lookahead: with a draft model's lookahead slots for them. max_loras > 0: requests run under three
-    adapters or none (the KV records carry the adapter, so a block shared across adapters fails)."""
+    adapters or none (the KV records carry the adapter, so a block shared across adapters fails).
+    windows: the block table's KV groups (sliding windows release blocks; the runner checks each group)."""
     run_random_workload(reqs, num_blocks, num_host_blocks, budget, max_num_seqs, caching, aborts, pipelined,
-                        num_drafts, lookahead, max_loras)
+                        num_drafts, lookahead, max_loras, windows)
 
 
 def run_random_workload(reqs: list[tuple[int, int, int, int, int]], num_blocks: int, num_host_blocks: int,
                         budget: int, max_num_seqs: int, caching: bool, aborts: list[tuple[int, int, int]],
-                        pipelined: bool, num_drafts: int = 0, lookahead: bool = False, max_loras: int = 0) -> None:
+                        pipelined: bool, num_drafts: int = 0, lookahead: bool = False, max_loras: int = 0,
+                        windows: tuple = (None,)) -> None:
     bs = 4
     prefixes = [prompt(1000, 8), prompt(1001, 5), []]
     adapters = {k: fake_adapter(k) for k in (1, 2, 3)}
@@ -781,10 +804,11 @@ def run_random_workload(reqs: list[tuple[int, int, int, int, int]], num_blocks: 
         if max_loras and i % 4:
             sp["lora"] = adapters[i % 4]
         work.append((f"q{i}", p, sp))
+    num_blocks, num_host_blocks = num_blocks * len(windows), num_host_blocks * len(windows)   # the same tokens
     h = Harness(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, block_size=bs, num_blocks=num_blocks,
                 num_host_blocks=num_host_blocks, enable_prefix_caching=caching, max_model_len=4096,
                 pipelined=pipelined, num_drafts=num_drafts, spec_lookahead_slots=num_drafts if lookahead else 0,
-                max_loras=max_loras)
+                max_loras=max_loras, kv_group_windows=windows)
     arrivals = sorted((r[4], i) for i, r in enumerate(reqs))
     aborted: set[tuple[str, int]] = set()
     step = 0
@@ -814,7 +838,8 @@ def run_random_workload(reqs: list[tuple[int, int, int, int, int]], num_blocks: 
                            ("drafts accepted", stats.spec_num_accepted_tokens),
                            ("drafts rejected", stats.spec_num_draft_tokens - stats.spec_num_accepted_tokens),
                            ("lookahead slots checked", h.runner.num_lookahead_checks),
-                           ("adapter slot refilled", h.sched.lora_slots.num_loads > max_loras)]:
+                           ("adapter slot refilled", h.sched.lora_slots.num_loads > max_loras),
+                           ("window released a block", any(-1 in t for t in h.runner.tables_seen))]:
         if happened:
             event(what)
     reference = reference_outputs(work)

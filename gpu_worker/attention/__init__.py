@@ -97,21 +97,25 @@ def index_copy_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -
     dst.index_copy_(0, index, src)
 
 
-def kv_block_bytes(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block of this model's KV cache (keys and values, every layer)."""
-    return block_size * mc.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+def kv_block_bytes(mc: ModelConfig, block_size: int, dtype: torch.dtype, num_caches: int | None = None) -> int:
+    """Bytes of one block id of this model's KV cache: keys and values of `num_caches` layers (every
+    layer; with KV groups, common/kv_layout.py, the layers of one group)."""
+    layers = num_caches or mc.num_layers
+    return block_size * 2 * layers * mc.num_kv_heads * mc.head_dim * (torch.finfo(dtype).bits // 8)
 
 
 def allocate_kv_cache(mc: ModelConfig, num_blocks: int, num_host_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> tuple[KVCaches, KVCaches]:
-    """Zeroed device caches and host caches (pinned on GPU machines, for swapping) in the layout above."""
+                      device: torch.device, num_caches: int | None = None) -> tuple[KVCaches, KVCaches]:
+    """Zeroed device caches and host caches (pinned on GPU machines, for swapping) in the layout above:
+    one pair per layer, or `num_caches` pairs that the KV groups' layers share (kv_layout.py)."""
+    n = num_caches or mc.num_layers
     shape = (num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
     dev = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-           for _ in range(mc.num_layers)]
+           for _ in range(n)]
     hshape = (num_host_blocks, *shape[1:])
     pin = device.type == "cuda"
     host = [(torch.zeros(hshape, dtype=dtype, pin_memory=pin), torch.zeros(hshape, dtype=dtype, pin_memory=pin))
-            for _ in range(mc.num_layers)] if num_host_blocks else []
+            for _ in range(n)] if num_host_blocks else []
     return dev, host
 
 

@@ -129,11 +129,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any,
                 backend: AttentionBackend, seq_ends: torch.Tensor | None = None) -> torch.Tensor:
-        """`meta` is what backend.prepare() returned for this step; the model only passes it along.
-        `seq_ends` [T]: the length each row's sequence reaches this step (LongRoPE reads it)."""
+        """`meta` is what backend.prepare() returned for this step, or a list of them per layer (a model
+        whose layers read different KV groups, common/kv_layout.py); the model only passes it along.
+        `seq_ends` [T]: each row's sequence's known length this step (LongRoPE reads it)."""
         x = self.embed(input_ids)
-        for layer, rot, kv in zip(self.layers, self.rotations(positions, x.dtype, seq_ends), kv_caches):
-            x = layer(x, rot, kv, meta, backend)
+        metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
+        for layer, rot, kv, m in zip(self.layers, self.rotations(positions, x.dtype, seq_ends), kv_caches, metas):
+            x = layer(x, rot, kv, m, backend)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""How a model's layers share the KV block pool when some layers have sliding windows.
+
+Full-attention layers need every block of a sequence; a windowed layer only the blocks that reach into
+its window, so its older blocks can go back to the pool. Layers are therefore split into *groups* of
+equal size, each group of one window kind (vLLM's hybrid allocator does the same): a block id is a
+slab holding one block of K/V for each of the group's layers, so one pool of equal-sized blocks
+serves every group, and a group's blocks are freed on its own schedule.
+
+A sequence's block table on the wire is one flat list, the groups interleaved per logical block:
+entry i * num_groups + g is group g's block for positions [i * block_size, (i + 1) * block_size).
+Every group grows in step (each layer writes every token's K/V); only the windowed groups' entries
+are freed early, and become NULL_BLOCK. With one group (any model without windows) the table is
+the plain block table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import gcd
+
+NULL_BLOCK = -1     # a windowed group's entry whose block was freed (never read: outside every window)
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    group_windows: tuple[int | None, ...]    # per group: its layers' window (None: full attention)
+    layer_group: tuple[int, ...]             # per layer: its group
+    layer_slot: tuple[int, ...]              # per layer: its index in the group (its cache tensor)
+
+    @classmethod
+    def for_windows(cls, windows: list[int | None]) -> "KVCacheLayout":
+        """Groups of gcd(layers per window kind) layers, each kind's layers taken in order."""
+        kinds: dict[int | None, list[int]] = {}
+        for layer, w in enumerate(windows):
+            kinds.setdefault(w, []).append(layer)
+        size = 0
+        for layers in kinds.values():
+            size = gcd(size, len(layers))
+        group_windows: list[int | None] = []
+        layer_group, layer_slot = [0] * len(windows), [0] * len(windows)
+        for w, layers in kinds.items():
+            for start in range(0, len(layers), size):
+                for slot, layer in enumerate(layers[start:start + size]):
+                    layer_group[layer], layer_slot[layer] = len(group_windows), slot
+                group_windows.append(w)
+        return cls(tuple(group_windows), tuple(layer_group), tuple(layer_slot))
+
+    @classmethod
+    def single(cls, num_layers: int) -> "KVCacheLayout":
+        return cls.for_windows([None] * num_layers)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    @property
+    def group_size(self) -> int:
+        """Layers per group: the number of cache tensors, and the layers one block id holds."""
+        return len(self.layer_group) // self.num_groups
+
+    @property
+    def windowed(self) -> bool:
+        return any(w is not None for w in self.group_windows)
+
+    def group_table(self, flat: list[int], group: int) -> list[int]:
+        """Group `group`'s block table out of a sequence's flat table."""
+        return flat[group::self.num_groups]
+
+
+
+def max_blocks_held(group_windows: tuple[int | None, ...], num_tokens: int, block_size: int, max_chunk: int) -> int:
+    """The most block ids one sequence of `num_tokens` holds at once: every block in a full group; in a
+    windowed group the window behind a step's first token plus the step's chunk."""
+    full = -(-num_tokens // block_size)
+    return sum(full if w is None else min(full, -(-(w - 1 + max_chunk) // block_size) + 1) for w in group_windows)
