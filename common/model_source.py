@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from common.config import env_flag
-from common.model_config import SUPPORTED_ARCHS, ModelConfig
+from common.gguf_config import hf_config
+from common.model_config import ModelConfig
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -136,33 +137,16 @@ class ModelSource:
         return self._gguf_model_config()
 
     def _gguf_model_config(self) -> ModelConfig:
-        arch = self.gguf_field("general.architecture")
-        if arch not in SUPPORTED_ARCHS:
-            raise ModelNotFound(f"GGUF architecture {arch!r} is not supported; expected one of {', '.join(SUPPORTED_ARCHS)}")
-        g = lambda k, d=None: self.gguf_field(f"{arch}.{k}", d)  # noqa: E731
-        heads = int(g("attention.head_count"))
-        hidden = int(g("embedding_length"))
-        names = {t.name for t in self.gguf_reader.tensors}
-        vocab = g("vocab_size") or len(self.gguf_field("tokenizer.ggml.tokens"))
-        eos = self.gguf_field("tokenizer.ggml.eos_token_id")
-        return ModelConfig(
-            arch=arch,
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            num_layers=int(g("block_count")),
-            num_heads=heads,
-            num_kv_heads=int(g("attention.head_count_kv", heads)),
-            head_dim=int(g("attention.key_length", hidden // heads)),
-            intermediate_size=int(g("feed_forward_length")),
-            rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(g("rope.freq_base", 10000.0)),
-            max_position_embeddings=int(g("context_length", 2048)),
-            tie_word_embeddings="output.weight" not in names,
-            qkv_bias="blk.0.attn_q.bias" in names,
-            qk_norm="blk.0.attn_q_norm.weight" in names,
-            eos_token_ids=[int(eos)] if eos is not None else [],
-            bos_token_id=self.gguf_field("tokenizer.ggml.bos_token_id"),
-        )
+        reader = self.gguf_reader
+        tensors = {t.name: t for t in reader.tensors}
+
+        def values(name: str) -> list[float]:
+            return [float(v) for v in tensors[name].data.reshape(-1)]
+        try:
+            cfg = hf_config(self.gguf_field("general.architecture"), self.gguf_field, set(tensors), values)
+        except ValueError as e:
+            raise ModelNotFound(str(e)) from None
+        return ModelConfig.from_hf_config(cfg)
 
     # ---- tokenizer ----------------------------------------------------------------------------
     def load_tokenizer(self):

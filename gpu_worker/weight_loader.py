@@ -1,5 +1,5 @@
 """Loads checkpoint tensors into our modules. The checkpoint-name -> (module, param, shard) mapping
-lives here and only here; GGUF names are first translated to Hugging Face names."""
+lives here and only here; GGUF names are first translated to Hugging Face names (gguf_tensors.py)."""
 from __future__ import annotations
 
 import json
@@ -8,16 +8,14 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from common.config import LOAD_FORMATS
 from common.model_config import ModelConfig
 from common.model_source import ModelSource
+from gpu_worker.gguf_tensors import iter_gguf
 from gpu_worker.quantization import resolve_quantization, set_linear_method
 from gpu_worker.quantization.checkpoint import CheckpointFormat, read_checkpoint_format
-from gpu_worker.quantization.gguf import GGUFTensor
-from gpu_worker.quantization.gguf_blocks import SUPPORTED as GGUF_SUPPORTED
 from gpu_worker.quantization.packed import QuantizedTensor
 
 log = logging.getLogger(__name__)
@@ -30,23 +28,11 @@ _HF_RULES: list[tuple[re.Pattern, str, str, str]] = [
     # mixture of experts: each expert's matrices into the stacked experts (layers/moe.py), Mixtral's names too
     (re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(w[123]|(?:gate|up|down)_proj)\.weight"),
      r"layers.\1.mlp.experts", r"\3", r"\2"),
+    (re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.((?:gate|up|down)_proj)"), r"layers.\1.mlp.experts", r"\2", "*"),
     (re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight"), r"layers.\1.mlp.gate", "weight", ""),
     (re.compile(r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate|up)_proj\.weight"),
      r"layers.\1.mlp.shared_expert.gate_up_proj", "weight", r"\2"),
 ]
-
-_GGUF_TO_HF: list[tuple[re.Pattern, str]] = [
-    (re.compile(r"token_embd\.weight"), "model.embed_tokens.weight"),
-    (re.compile(r"output_norm\.weight"), "model.norm.weight"),
-    (re.compile(r"output\.weight"), "lm_head.weight"),
-    (re.compile(r"blk\.(\d+)\.attn_norm\.weight"), r"model.layers.\1.input_layernorm.weight"),
-    (re.compile(r"blk\.(\d+)\.ffn_norm\.weight"), r"model.layers.\1.post_attention_layernorm.weight"),
-    (re.compile(r"blk\.(\d+)\.attn_([qkv])\.(weight|bias)"), r"model.layers.\1.self_attn.\2_proj.\3"),
-    (re.compile(r"blk\.(\d+)\.attn_output\.weight"), r"model.layers.\1.self_attn.o_proj.weight"),
-    (re.compile(r"blk\.(\d+)\.attn_([qk])_norm\.weight"), r"model.layers.\1.self_attn.\2_norm.weight"),
-    (re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.weight"), r"model.layers.\1.mlp.\2_proj.weight"),
-]
-
 
 def hf_to_param(name: str) -> tuple[str, str, str]:
     """Map a Hugging Face tensor name to (our module path, parameter, shard of a fused layer)."""
@@ -57,20 +43,6 @@ def hf_to_param(name: str) -> tuple[str, str, str]:
     path = name.removeprefix("model.")
     module, _, param = path.rpartition(".")
     return module, param, ""
-
-
-def gguf_to_hf(name: str) -> str | None:
-    for pat, repl in _GGUF_TO_HF:
-        m = pat.fullmatch(name)
-        if m:
-            return m.expand(repl)
-    return None
-
-
-def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp interleaves q/k rows for its rope; undo it to get back HF's half-rotation layout."""
-    shape = w.shape
-    return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
 def _safetensor_files(folder: Path) -> list[Path]:
@@ -95,42 +67,6 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
-
-
-def _rope_heads(mc: ModelConfig, name: str) -> int | None:
-    """Heads whose rows llama.cpp interleaved for this tensor, or None."""
-    if mc.arch != "llama":
-        return None
-    if name.endswith(("q_proj.weight", "q_proj.bias")):
-        return mc.num_heads
-    return mc.num_kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None
-
-
-def iter_gguf(source: ModelSource, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
-    """HF-named tensors of a GGUF file: fp32, or with `keep_quantized` the matrices of a supported
-    quantized type as GGUFTensor (raw blocks, rows already in HF order)."""
-    from gguf import GGMLQuantizationType as T
-    from gguf.quants import dequantize
-    mc = source.model_config()
-    unsupported: set[str] = set()
-    for t in source.gguf_reader.tensors:
-        name = gguf_to_hf(t.name)
-        if name is None:
-            continue
-        heads = _rope_heads(mc, name)
-        if keep_quantized and t.tensor_type in GGUF_SUPPORTED and len(t.shape) == 2:
-            raw = t.data.reshape(int(t.shape[1]), -1)
-            yield name, GGUFTensor(raw if heads is None else _unpermute_rope(raw, heads), t.tensor_type,
-                                   (int(t.shape[1]), int(t.shape[0])))
-            continue
-        if keep_quantized and t.tensor_type not in (T.F32, T.F16, T.BF16):
-            unsupported.add(t.tensor_type.name)
-        arr = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
-        if heads is not None:
-            arr = _unpermute_rope(arr, heads)
-        yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: F32 tensors are read-only memmaps
-    if unsupported:
-        log.info("GGUF tensors of type %s are not kept quantized: expanded to fp32 at load", ", ".join(sorted(unsupported)))
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:

@@ -51,7 +51,7 @@ def write_default_as_hf(folder: Path) -> Path:
     import transformers as tf
     from safetensors.torch import save_file
 
-    from gpu_worker.weight_loader import iter_gguf
+    from gpu_worker.gguf_tensors import iter_gguf
     src = ModelSource.resolve(None)
     mc = src.model_config()
     cfg = tf.LlamaConfig(vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,

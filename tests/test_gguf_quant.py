@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf.constants import GGML_QUANT_SIZES
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
 from gpu_worker.kernels import native
 from gpu_worker.layers.embedding import VocabEmbedding
@@ -17,33 +16,9 @@ from gpu_worker.quantization import linear_method, resolve_quantization
 from gpu_worker.quantization.gguf import GGUFTensor
 from gpu_worker.quantization.gguf_blocks import SUPPORTED
 from gpu_worker.quantization.packed import GroupQuant, PackedWeight
+from tests.gguf_files import gguf_tensor
 
 pytestmark = pytest.mark.unit
-
-QUANTIZABLE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)    # gguf-py writes these; k-quants get random blocks
-
-
-def gguf_tensor(qtype: T, rows: int, k: int, seed: int = 0) -> GGUFTensor:
-    """A [rows, k] tensor in `qtype`: quantized from random floats, or (k-quants, which gguf-py cannot
-    write) random block bytes with finite f16 scales."""
-    rng = np.random.default_rng(seed)
-    if qtype == T.Q2_K:                  # d and dmin are its last four bytes
-        blocks = rng.integers(0, 256, (rows * k // 256, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
-        blocks[:, -4:] = rng.uniform(1e-4, 2e-3, (blocks.shape[0], 2)).astype(np.float16).view(np.uint8)
-        return GGUFTensor(blocks.reshape(rows, -1), qtype, (rows, k))
-    if qtype in QUANTIZABLE:
-        raw = quantize(rng.standard_normal((rows, k)).astype(np.float32) * 0.05, qtype)
-    else:
-        block, nbytes = GGML_QUANT_SIZES[qtype]
-        blocks = rng.integers(0, 256, (rows * k // block, nbytes), dtype=np.uint8)
-        f16 = lambda n: rng.uniform(1e-4, 2e-3, (blocks.shape[0], n)).astype(np.float16).view(np.uint8)
-        if qtype == T.Q6_K:
-            blocks[:, 208:210] = f16(1)
-        else:
-            blocks[:, 0:4] = f16(2)
-        raw = blocks.reshape(rows, -1)
-    return GGUFTensor(raw, qtype, (rows, k))
-
 
 def ref_weights(t: GGUFTensor) -> torch.Tensor:
     return torch.from_numpy(dequantize(t.raw, t.qtype).astype(np.float32).reshape(t.shape))
@@ -263,7 +238,7 @@ def test_a_malformed_gguf_tensor_is_one_error_naming_it(tmp_path):
 
 def test_a_type_we_do_not_keep_is_expanded_at_load_with_one_log_line(tmp_path, caplog):
     path = write_tiny_gguf(tmp_path / "q2k.gguf", types={**TINY_TYPES, "ffn_down": T.Q2_K})
-    with caplog.at_level("INFO", logger="gpu_worker.weight_loader"):
+    with caplog.at_level("INFO", logger="gpu_worker.gguf_tensors"):
         model, ref = load_tiny(path, "gguf"), load_tiny(path, "none")
     lines = [r.getMessage() for r in caplog.records if "not kept quantized" in r.getMessage()]
     assert lines == ["GGUF tensors of type Q2_K are not kept quantized: expanded to fp32 at load"]

@@ -89,3 +89,29 @@ def test_llama3_rope_scaling_and_qwen_flags_are_read():
     assert llama3.rope_scaling["rope_type"] == "llama3" and llama3.rope_theta == 500000.0
     assert ModelConfig.from_hf_config({"model_type": "qwen2", **TINY}).qkv_bias
     assert ModelConfig.from_hf_config({"model_type": "qwen3", **TINY, "head_dim": 16}).qk_norm
+
+
+def test_gguf_metadata_follows_llama_cpp_where_the_file_is_silent():
+    from common.gguf_config import hf_config
+
+    def config(arch, fields, tensors=()):
+        base = {f"{arch}.attention.head_count": 8, f"{arch}.embedding_length": 512, f"{arch}.block_count": 12,
+                f"{arch}.feed_forward_length": 64, f"{arch}.vocab_size": 10, **fields}
+        return ModelConfig.from_hf_config(hf_config(arch, lambda k, d=None: base.get(k, d),
+                                                    {"output.weight", *tensors}, lambda name: [1.0, 2.0]))
+    gemma3 = config("gemma3", {"gemma3.attention.sliding_window": 16, "gemma3.attention.key_length": 32})
+    assert gemma3.windows == ([16] * 5 + [None]) * 2          # llama.cpp's fixed pattern of 6
+    assert (gemma3.local_rope_theta, gemma3.attn_scale, gemma3.hidden_act) == (10000.0, 32 ** -0.5, "gelu_pytorch_tanh")
+    big = config("gemma2", {"gemma2.block_count": 46, "gemma2.attention.sliding_window": 16,
+                            "gemma2.attention.key_length": 32})
+    assert big.attn_scale == (512 // 8) ** -0.5 and big.windows[:4] == [16, None, 16, None]   # 27B: hidden / heads
+    mixtral = config("llama", {"llama.expert_count": 8, "llama.expert_used_count": 2},
+                     [f"blk.{i}.ffn_gate_inp.weight" for i in range(12)])
+    assert (mixtral.arch, mixtral.num_experts, mixtral.dense_layers, mixtral.norm_topk_prob) == ("mixtral", 8, [], True)
+    phi3 = config("phi3", {"phi3.rope.dimension_count": 32, "phi3.context_length": 4096,
+                           "phi3.rope.scaling.original_context_length": 1024},
+                  ["rope_factors_long.weight", "rope_factors_short.weight"])
+    assert phi3.rotary_dim == 32 and phi3.rope_scaling["long_factor"] == [1.0, 2.0]
+    assert phi3.rope_scaling["attention_factor"] == pytest.approx((1 + math.log(4) / math.log(1024)) ** 0.5)
+    with pytest.raises(ValueError, match="GGUF architecture 'gpt2' is not supported"):
+        config("gpt2", {})

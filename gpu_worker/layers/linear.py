@@ -70,6 +70,9 @@ class Linear(nn.Module):
         if shard or "" in self.shard_ranges:
             self.method.load_weight(self, param, tensor, shard)
             return
+        if not hasattr(tensor, "__getitem__"):
+            raise ValueError(f"fused {param}: a {type(tensor).__name__} checkpoint tensor cannot be cut into "
+                             f"the shards {', '.join(self.shard_ranges)}")
         if tensor.shape[0] != self.out_features:
             raise ValueError(f"fused {param}: checkpoint has {tensor.shape[0]} rows, expected {self.out_features} "
                              f"({' + '.join(f'{n} {hi - lo}' for n, (lo, hi) in self.shard_ranges.items())})")

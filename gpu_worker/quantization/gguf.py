@@ -22,6 +22,11 @@ class GGUFTensor(QuantizedTensor):
     def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]):
         self.raw, self.qtype, self.shape = raw, qtype, shape
 
+    def __getitem__(self, rows: slice) -> "GGUFTensor":
+        """Rows lo:hi (a shard of a fused matrix, such as Phi-3's attn_qkv): whole rows of blocks."""
+        raw = self.raw[rows]
+        return GGUFTensor(raw, self.qtype, (raw.shape[0], self.shape[1]))
+
     def groups(self) -> GroupQuant:
         return decode(self.raw, self.qtype, self.shape[1])
 
