@@ -61,10 +61,6 @@ class KVCacheLayout:
     def windowed(self) -> bool:
         return any(w is not None for w in self.group_windows)
 
-    def group_table(self, flat: list[int], group: int) -> list[int]:
-        """Group `group`'s block table out of a sequence's flat table."""
-        return flat[group::self.num_groups]
-
 
 
 def max_blocks_held(group_windows: tuple[int | None, ...], num_tokens: int, block_size: int, max_chunk: int) -> int:

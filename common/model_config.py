@@ -162,7 +162,8 @@ def _local_theta(cfg: dict[str, Any], rope: dict[str, Any]) -> float | None:
 def _layer_types(cfg: dict[str, Any], arch: str, n: int) -> list[str] | None:
     """Which layers are windowed: the config's layer_types where it has them, else each family's rule
     (Gemma 2 alternates, Gemma 3 has one full layer in every `sliding_window_pattern`; Mistral, Mixtral
-    and Phi-3 window every layer when sliding_window is set; Qwen only with use_sliding_window)."""
+    and Phi-3 window every layer when sliding_window is set; Qwen the layers from max_window_layers on,
+    with use_sliding_window)."""
     window = cfg.get("sliding_window")
     if not window or window >= cfg.get("max_position_embeddings", window + 1):
         return None      # no window, or one no context reaches (Phi-3-128k's): full attention
@@ -171,6 +172,11 @@ def _layer_types(cfg: dict[str, Any], arch: str, n: int) -> list[str] | None:
         if len(types) != n or set(types) - {SLIDING, FULL}:
             raise ValueError(f"layer_types must be {n} of {SLIDING!r} / {FULL!r}, got {types}")
         return list(types) if SLIDING in types else None
+    if arch.startswith("qwen"):          # HF: with use_sliding_window, the layers from max_window_layers on
+        if not cfg.get("use_sliding_window", False):
+            return None
+        first = cfg.get("max_window_layers", 0)
+        return [SLIDING if i >= first else FULL for i in range(n)] if first < n else None
     if cfg.get("use_sliding_window", True) is False:
         return None
     if arch == "gemma2":

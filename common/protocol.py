@@ -186,6 +186,9 @@ class WorkerInfo:
     # and a windowed layer's blocks leave the table as the sequence grows
     prefix_caching: bool = True
     kv_group_windows: tuple = (None,)    # common/kv_layout.py: each KV group's window (None: full)
+    # LongRoPE (Phi-3): the pretraining length past which a sequence's keys use the long factors, when
+    # max_model_len exceeds it; the scheduler recomputes a sequence that crosses it (scheduler.py)
+    long_rope_after: int | None = None
 
 
 @dataclass

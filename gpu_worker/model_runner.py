@@ -74,15 +74,15 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, self.device)
         self.block_size = config.block_size
         self.kv_layout = KVCacheLayout.for_windows(self.model_config.windows)
-        if self.kv_layout.windowed and self.model.rope.long_after is not None:
+        if self.kv_layout.windowed and self._long_rope_after is not None:
             raise ValueError("a model with both LongRoPE and sliding windows is not supported: the switch to "
                              "the long factors recomputes keys that the windows have already released")
         self.eos_ids: set[int] = set(self.model_config.eos_token_ids)   # the engine adds the tokenizer's
         self.seqs: dict[str, SequenceState] = {}
         spec = SpeculativeConfig.parse(config.speculative_config)
-        if spec is not None and spec.method == "draft_model" and self.kv_layout.num_groups > 1:
-            raise ValueError("a draft model needs the target's block table, and this model's layers keep "
-                             "several (sliding windows); use the ngram method")
+        if spec is not None and spec.method == "draft_model" and self.kv_layout.windowed:
+            raise ValueError("a draft model reads the target's whole block table, and this model's sliding "
+                             "windows release the blocks behind them; use the ngram method")
         self.proposer: Proposer | None = build_proposer(spec, self) if spec else None
         self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []     # one pair per cache slot of a group
@@ -104,15 +104,21 @@ class ModelRunner:
                           max_loras=self.lora.max_loras if self.lora else 0,
                           max_lora_rank=self.lora.max_rank if self.lora else 0,
                           prefix_caching=self._prefix_caching_safe(),
-                          kv_group_windows=self.kv_layout.group_windows)
+                          kv_group_windows=self.kv_layout.group_windows, long_rope_after=self._long_rope_after)
+
+    @property
+    def _long_rope_after(self) -> int | None:
+        """LongRoPE's pretraining length where a context can pass it, else None."""
+        after = self.model.rope.long_after
+        return after if after is not None and after < self.max_model_len else None
 
     def _prefix_caching_safe(self) -> bool:
         """LongRoPE keys are rotated by their sequence's length (short and long factors), so a block of the
         same tokens differs between sequences; windowed layers release a sequence's old blocks. Such
         models run without prefix caching."""
-        long_after = self.model.rope.long_after
+        long_after = self._long_rope_after
         why = "LongRoPE rotates a sequence's keys differently once it is longer than %d tokens" % long_after \
-            if long_after is not None and long_after < self.max_model_len else \
+            if long_after is not None else \
             "sliding-window layers release blocks behind their window" if self.kv_layout.windowed else None
         if why and self.config.enable_prefix_caching:
             log.info("prefix caching is off: %s", why)
@@ -189,8 +195,7 @@ class ModelRunner:
             scheduled.sort(key=lambda s: self.seqs[s[0]].lora_id)
         if not scheduled:
             return out
-        inputs = build_step_inputs(self.seqs, scheduled, self.block_size, self.device, self.model.rope.long_after,
-                                   self.kv_layout.num_groups)
+        inputs = build_step_inputs(self.seqs, scheduled, self.block_size, self.device, self.kv_layout.num_groups)
         prepared = [self.backend.prepare(m) for m in inputs.attn_groups]
         attn = [prepared[g] for g in self.kv_layout.layer_group]       # each layer's group's metadata
         hidden = self._forward(inputs, attn)

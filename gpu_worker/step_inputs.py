@@ -86,7 +86,7 @@ class PromptLogprobRows:
 class StepInputs:
     input_ids: torch.Tensor                 # [T]
     positions: torch.Tensor                 # [T]
-    seq_ends: torch.Tensor                  # [T] its sequence's known length: its prompt, or this step's end
+    seq_ends: torch.Tensor                  # [T] its sequence's known tokens (drafts not counted): LongRoPE's choice
     attn_groups: list[AttentionMetadata]    # per KV group (common/kv_layout.py): the same rows, its own tables
     logits_indices: torch.Tensor            # [R] rows to compute logits on and sample from
     sample_seq_ids: list[str]               # sequences that sample this step, in row order
@@ -135,20 +135,16 @@ def _reads_history(st: SequenceState) -> bool:
 
 
 def build_step_inputs(states: dict[str, SequenceState], scheduled: list[tuple[str, int]], block_size: int,
-                      device: torch.device, long_rope_after: int | None = None, num_groups: int = 1) -> StepInputs:
-    """Flat inputs for `scheduled` (seq_id, num_new_tokens) pairs, in that order. `long_rope_after`:
-    a LongRoPE model's pretraining length (layers/rotary.py): a sequence whose cached keys were rotated
-    with the short factors and that now grows past it runs all of its tokens again, so every key is
-    rotated with the long ones, as HF's Phi-3 does at that point (a one-off, at most that many tokens)."""
+                      device: torch.device, num_groups: int = 1) -> StepInputs:
+    """Flat inputs for `scheduled` (seq_id, num_new_tokens) pairs, in that order; `num_groups`: the KV
+    groups interleaved in each block table (common/kv_layout.py)."""
     tokens: list[int] = []
     ctx_lens, q_lens, tables, lora, known_lens = [], [], [], [], []
     sample_ids, num_samples = [], []
     for seq_id, n in scheduled:
         st = states[seq_id]
         start = st.num_computed_tokens
-        if long_rope_after is not None and 0 < start and max(st.num_prompt_tokens, start) <= long_rope_after < start + n:
-            start, n = 0, start + n
-        known_lens.append(max(st.num_prompt_tokens, start + n))
+        known_lens.append(len(st.token_ids))
         known = st.token_ids + st.spec_token_ids if st.spec_token_ids else st.token_ids
         tokens.extend(known[start:start + n])
         ctx_lens.append(start)
@@ -165,8 +161,9 @@ def build_step_inputs(states: dict[str, SequenceState], scheduled: list[tuple[st
     ends = qsl[1:].tolist()
     logits_rows = [ends[row[s]] - k + j for s, k in zip(sample_ids, num_samples) for j in range(k)]
     seq_idx = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(q_lens))
-    for meta, _ in groups:           # the same positions in each; the slots differ by table
-        positions = _positions(meta, qsl, seq_idx)
+    positions = _row_positions(groups[0][0], qsl, seq_idx)
+    for meta, _ in groups:               # the same positions in every group, in its own blocks
+        _fill_slots(meta, positions, seq_idx)
     return StepInputs(
         input_ids=torch.tensor(tokens, device=device),
         positions=positions.to(device),
@@ -183,7 +180,9 @@ def decode_inputs(tables: list[list[int]], positions: list[int], token_ids: list
     """(input ids, positions, metadata) of one token per sequence at `positions`: a draft model's
     autoregressive steps, which run outside the scheduled batch."""
     meta, qsl = _attention_metadata(positions, [1] * len(positions), tables, block_size)
-    pos = _positions(meta, qsl, torch.arange(len(positions)))
+    seq_idx = torch.arange(len(positions))
+    pos = _row_positions(meta, qsl, seq_idx)
+    _fill_slots(meta, pos, seq_idx)
     return torch.tensor(token_ids, device=device), pos.to(device), _to(meta, device)
 
 
@@ -198,7 +197,6 @@ def _attention_metadata(ctx_lens: list[int], q_lens: list[int], tables: list[lis
     bt = torch.zeros(num_seqs, max(len(t) for t in tables), dtype=torch.int32)
     for i, t in enumerate(tables):
         bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    bt.clamp_(min=0)        # released (NULL_BLOCK) entries lie outside every window: any block reads as masked
     meta = AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.long), query_start_loc=qsl, seq_lens=seq_lens,
         context_lens=ctx_t, block_tables=bt, block_size=block_size, max_query_len=max(q_lens),
@@ -206,13 +204,21 @@ def _attention_metadata(ctx_lens: list[int], q_lens: list[int], tables: list[lis
     return meta, qsl
 
 
-def _positions(meta: AttentionMetadata, qsl: torch.Tensor, seq_idx: torch.Tensor) -> torch.Tensor:
-    """Each row's position in its sequence; also fills the slot mapping, which follows from it."""
+def _row_positions(meta: AttentionMetadata, qsl: torch.Tensor, seq_idx: torch.Tensor) -> torch.Tensor:
+    """Each row's position in its sequence."""
     rows = torch.arange(len(seq_idx))
-    positions = rows - qsl[:-1].long()[seq_idx] + meta.context_lens.long()[seq_idx]
+    return rows - qsl[:-1].long()[seq_idx] + meta.context_lens.long()[seq_idx]
+
+
+def _fill_slots(meta: AttentionMetadata, positions: torch.Tensor, seq_idx: torch.Tensor) -> None:
+    """The slot mapping, which follows from the positions and the block tables."""
     bs = meta.block_size
-    meta.slot_mapping = meta.block_tables[seq_idx, positions // bs].long() * bs + positions % bs
-    return positions
+    blocks = meta.block_tables[seq_idx, positions // bs].long()
+    if len(blocks) and int(blocks.min()) < 0:
+        raise RuntimeError("a token's KV slot lies in a block its window released")    # the scheduler's bug
+    meta.slot_mapping = blocks * bs + positions % bs
+    # released entries (NULL_BLOCK) lie outside every window from now on: read as block 0, always masked
+    meta.block_tables.clamp_(min=0)
 
 
 def _to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:

@@ -50,7 +50,8 @@ def _check_length(n_prompt: int, asked: int | None, c: SchedulerConfig) -> int:
     if need > c.num_blocks:
         raise RequestRejected(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks but "
                               f"the cache holds only {c.num_blocks} blocks of {c.block_size} tokens "
-                              f"({c.num_blocks * c.block_size} tokens)", 400, "max_tokens")
+                              f"({c.num_blocks * c.block_size // len(c.kv_group_windows)} tokens per layer)", 400,
+                              "max_tokens")
     return max_tokens
 
 

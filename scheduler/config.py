@@ -26,6 +26,7 @@ class SchedulerConfig:
     spec_lookahead_slots: int = 0               # KV slots past a sampling step's tokens, for a draft model's drafts
     max_loras: int = 0                          # adapter slots on the workers; 0: LoRA is off
     kv_group_windows: tuple = (None,)           # common/kv_layout.py: the block table's groups
+    long_rope_after: int | None = None          # WorkerInfo.long_rope_after
 
     @classmethod
     def from_engine(cls, engine: EngineConfig, worker: WorkerInfo) -> "SchedulerConfig":
@@ -39,4 +40,5 @@ class SchedulerConfig:
                    max_waiting_tokens=engine.max_waiting_tokens, speculative=spec is not None,
                    spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
                    spec_lookahead_slots=spec.lookahead_slots if spec else 0,
-                   max_loras=worker.max_loras, kv_group_windows=tuple(worker.kv_group_windows))
+                   max_loras=worker.max_loras, kv_group_windows=tuple(worker.kv_group_windows),
+                   long_rope_after=worker.long_rope_after)

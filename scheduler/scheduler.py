@@ -98,6 +98,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._crosses_long_rope(seq):
+                seq.num_computed_tokens = 0          # its keys again, with the long factors (see below)
             n = min(seq.num_tokens_to_compute, budget)
             if n <= 0 or self._waits_for_drafts(seq):   # its last token (or the drafts after it) in flight
                 i += 1
@@ -212,6 +214,14 @@ class Scheduler:
             return 0
         return max(0, min(k, self.config.max_model_len - end, seq.num_prompt_tokens + seq.max_tokens - end))
 
+    def _crosses_long_rope(self, seq: Sequence) -> bool:
+        """LongRoPE (Phi-3) rotates a sequence longer than the pretraining length with its long factors,
+        and HF then runs the whole sequence again, so that every key is rotated that way. A sequence
+        that has grown past the length with keys computed short is therefore recomputed from its start:
+        into its own blocks (copy-on-write where shared), in budget-sized chunks like any prefill."""
+        after = self.config.long_rope_after
+        return after is not None and not seq.rope_long and seq.num_tokens > after and seq.num_computed_tokens > 0
+
     def _take_drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The drafts a decoding sequence verifies this step, within the budget, max_tokens and the context
         (the step also samples one token of its own after them); none when the batch is too large to pay."""
@@ -220,6 +230,9 @@ class Scheduler:
         if not drafts or (limit is not None and len(self.running) >= limit):
             return []
         room = min(budget, seq.max_tokens - len(seq.output_token_ids), self.config.max_model_len - seq.num_tokens) - 1
+        after = self.config.long_rope_after
+        if after is not None and seq.num_tokens <= after:   # drafts stay short of LongRoPE's switch, which
+            room = min(room, after - seq.num_tokens)         # recomputes the sequence once its tokens pass it
         return drafts[:max(room, 0)]
 
     def _emit(self, seq: Sequence, n: int, alloc: tuple[list[tuple[int, int]], int], out: SchedulerOutput,
@@ -232,6 +245,8 @@ class Scheduler:
             self.stats.spec_num_draft_tokens += len(drafts)
         copies, first_changed = alloc
         out.blocks_to_copy.extend(copies)
+        if self.config.long_rope_after is not None and seq.num_tokens > self.config.long_rope_after:
+            seq.rope_long = True             # from now on its keys are computed with the long factors
         if seq.lora is not None:
             self._step_loras.append(seq.lora)
         table = self.kv.table(seq.seq_id)
@@ -348,8 +363,10 @@ class Scheduler:
         blocks; a parent preempted meanwhile holds none, so its siblings recompute the prompt instead."""
         parent = group.parent
         shared = parent.status is Status.RUNNING
+        after = self.config.long_rope_after
         for child in group.fork(share_blocks=shared):
             self.seqs[child.seq_id] = child
+            child.rope_long = shared and after is not None and parent.num_prompt_tokens > after   # the shared keys
             if shared:
                 self.kv.fork(parent, child)
                 self.running.append(child)

@@ -60,6 +60,7 @@ class Sequence:
     # the earliest token whose sliding windows must keep their blocks: an n > 1 parent keeps its last
     # prompt token's, from which the choices not yet forked start (None: the token being computed)
     kv_keep_from: int | None = None
+    rope_long: bool = False              # LongRoPE: its cached keys were computed with the long factors
 
     @property
     def all_token_ids(self) -> list[int]:

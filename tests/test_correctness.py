@@ -166,3 +166,21 @@ def test_default_model_matches_hf(default_tokenizer):
         flips += cmp.flips
         assert cmp.max_logprob_err < 1e-4   # measured: at most 1.0e-5
     assert flips <= 1, f"{flips} near-tie flips in 8 prompts"
+
+
+@pytest.mark.parametrize("variant", [dict(max_num_batched_tokens=8, block_size=8),
+                                     dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                              "prompt_lookup_min": 1, "prompt_lookup_max": 3})],
+                         ids=["chunked", "ngram-drafts"])
+def test_phi3_sequences_crossing_long_rope_match_hf(variant, tiny_model, default_tokenizer):
+    """The tiny Phi-3's pretraining length is 24: prompts below, across and above it, generating past it,
+    so the switch to the long factors (and the recompute HF does there) happens mid-generation, under
+    chunked prefill and under speculation."""
+    folder = tiny_model("phi3")
+    ref = Reference(folder)
+    prompts = prompt_ids(default_tokenizer)
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory=0.02, swap_space=0, **variant)
+    assert llm.engine.scheduler.config.long_rope_after == 24
+    assert not llm.engine.scheduler.kv.enable_caching
+    assert sum(len(p) <= 24 < len(p) + MAX_NEW for p in prompts) >= 2     # some cross while generating
+    assert assert_matches(run_greedy(llm, prompts, logprobs=1), prompts, ref, logprob_tol=1e-4) == 0

@@ -48,6 +48,9 @@ def test_sliding_windows_are_per_layer_and_do_not_cap_the_context():
     assert ModelConfig.from_hf_config({"model_type": "mistral", **six, "sliding_window": None}).windows == [None] * 6
     qwen = {"model_type": "qwen2", **six, "sliding_window": 4096, "use_sliding_window": False}
     assert ModelConfig.from_hf_config(qwen).windows == [None] * 6
+    assert ModelConfig.from_hf_config({**qwen, "use_sliding_window": True, "max_window_layers": 4}).windows == \
+        [None] * 4 + [4096] * 2           # HF's Qwen: the layers from max_window_layers on
+    assert ModelConfig.from_hf_config({**qwen, "use_sliding_window": None}).windows == [None] * 6
     # the family rules where a config has no layer_types, and layer_types where it has them
     assert ModelConfig.from_hf_config({"model_type": "gemma2", **six, "sliding_window": 8}).windows == [8, None] * 3
     assert ModelConfig.from_hf_config({"model_type": "gemma3_text", **six, "sliding_window": 8,

@@ -101,7 +101,10 @@ class FakeRunner:
             self.reqs_lora[r.seq_id] = r.lora_id
         for r in sched.cached_seqs:
             st = self.reqs[r.seq_id]
-            assert st.num_computed_tokens == r.num_computed_tokens, f"{r.seq_id}: worker and scheduler disagree"
+            recompute = self.scheduler.config.long_rope_after is not None and r.num_computed_tokens == 0
+            assert st.num_computed_tokens == r.num_computed_tokens or recompute, \
+                f"{r.seq_id}: worker and scheduler disagree"
+            st.num_computed_tokens = r.num_computed_tokens
             assert 0 <= r.blocks_from <= len(st.block_ids)
             del st.block_ids[r.blocks_from:]
             st.block_ids.extend(r.block_ids)
@@ -852,6 +855,33 @@ def run_random_workload(reqs: list[tuple[int, int, int, int, int]], num_blocks: 
         else:
             assert got.tokens == ref.tokens, key
             assert got.finish_reason == ref.finish_reason == "length", key
+
+
+def test_a_sequence_crossing_long_rope_is_recomputed_once_in_budget_chunks() -> None:
+    """LongRoPE: a sequence whose keys were computed short and that grows past the pretraining length
+    is computed again from its start, in chunks of the budget; one longer from the start never is, and
+    drafts never carry a short sequence past the length."""
+    h = Harness(block_size=4, num_blocks=64, max_num_batched_tokens=8, long_rope_after=12, num_drafts=3)
+    h.add("short", prompt(1, 10), max_tokens=8, ignore_eos=True)
+    h.add("long", prompt(2, 20), max_tokens=4, ignore_eos=True)
+    res = h.run()
+    assert res[("short", 0)].tokens == expected_tokens("short", 10, 8)
+    assert res[("long", 0)].tokens == expected_tokens("long", 20, 4)
+    runs = [(r.seq_id, r.num_computed_tokens, r.num_new_tokens) for x in h.steps for r in x.new_seqs + x.cached_seqs]
+    started, resets = set(), []
+    for seq_id, computed, n in runs:        # a run from 0 after the sequence had computed tokens
+        if computed == 0 and seq_id in started:
+            resets.append((seq_id, n))
+        started.add(seq_id)
+    assert [s for s, _ in resets] == ["short"] and all(n <= 8 for _, n in resets)
+    chunks = [n for seq_id, computed, n in runs if seq_id == "short"]
+    assert sum(chunks[chunks.index(resets[0][1]):]) >= 13       # the recompute covers the whole sequence
+    tokens_at = {}
+    for x in h.steps:
+        for r in x.cached_seqs:
+            if r.seq_id == "short" and r.num_computed_tokens + 1 <= 12 and r.seq_id in x.spec_token_ids:
+                tokens_at[r.num_computed_tokens] = len(x.spec_token_ids[r.seq_id])
+    assert all(computed + 1 + k <= 12 for computed, k in tokens_at.items()), tokens_at
 
 
 def test_drafts_are_verified_and_rolled_back_and_switch_off_in_large_batches() -> None:
