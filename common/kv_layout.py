@@ -2,8 +2,8 @@
 
 Full-attention layers need every block of a sequence; a windowed layer only the blocks that reach into
 its window, so its older blocks can go back to the pool. Layers are therefore split into *groups* of
-equal size, each group of one window kind (vLLM's hybrid allocator does the same): a block id is a
-slab holding one block of K/V for each of the group's layers, so one pool of equal-sized blocks
+at most `group_size` layers, each group of one window kind (vLLM's hybrid allocator does the same): a
+block id is a slab holding one block of K/V for each slot of a group, so one pool of equal-sized blocks
 serves every group, and a group's blocks are freed on its own schedule.
 
 A sequence's block table on the wire is one flat list, the groups interleaved per logical block:
@@ -25,16 +25,19 @@ class KVCacheLayout:
     group_windows: tuple[int | None, ...]    # per group: its layers' window (None: full attention)
     layer_group: tuple[int, ...]             # per layer: its group
     layer_slot: tuple[int, ...]              # per layer: its index in the group (its cache tensor)
+    group_size: int                          # cache tensors: the layers one block id holds
 
     @classmethod
     def for_windows(cls, windows: list[int | None]) -> "KVCacheLayout":
-        """Groups of gcd(layers per window kind) layers, each kind's layers taken in order."""
+        """Groups as large as the smallest window kind's layer count, each kind's layers taken in order.
+        Where the counts do not divide, a kind's last group is short and its block ids carry unused
+        slots (Gemma 3 27B: 10 full and 52 windowed layers make 7 groups of 10, 8 slots of 70 idle);
+        groups of the counts' gcd would waste nothing but make 31 groups, each a table per sequence
+        to build every step."""
         kinds: dict[int | None, list[int]] = {}
         for layer, w in enumerate(windows):
             kinds.setdefault(w, []).append(layer)
-        size = 0
-        for layers in kinds.values():
-            size = gcd(size, len(layers))
+        size = min(len(layers) for layers in kinds.values())
         group_windows: list[int | None] = []
         layer_group, layer_slot = [0] * len(windows), [0] * len(windows)
         for w, layers in kinds.items():
@@ -42,7 +45,7 @@ class KVCacheLayout:
                 for slot, layer in enumerate(layers[start:start + size]):
                     layer_group[layer], layer_slot[layer] = len(group_windows), slot
                 group_windows.append(w)
-        return cls(tuple(group_windows), tuple(layer_group), tuple(layer_slot))
+        return cls(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)
 
     @classmethod
     def single(cls, num_layers: int) -> "KVCacheLayout":
@@ -51,11 +54,6 @@ class KVCacheLayout:
     @property
     def num_groups(self) -> int:
         return len(self.group_windows)
-
-    @property
-    def group_size(self) -> int:
-        """Layers per group: the number of cache tensors, and the layers one block id holds."""
-        return len(self.layer_group) // self.num_groups
 
     @property
     def windowed(self) -> bool:

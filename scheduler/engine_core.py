@@ -33,10 +33,11 @@ class EngineCore:
             adapter = self.loras.load(parse_lora_module(spec))
             log.info("LoRA adapter %r (rank %d) from %s", adapter.name, adapter.info.rank, adapter.path)
         log.info("model weights: %.1f MiB per worker", info.weight_bytes / (1 << 20))
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d host blocks for swap; %.1f concurrent requests "
-                 "at max_model_len %d", info.num_blocks, config.block_size,
-                 info.num_blocks * info.block_bytes / (1 << 30), info.num_host_blocks,
-                 info.num_blocks * config.block_size / self.max_model_len, self.max_model_len)
+        groups = len(info.kv_group_windows)     # a block id holds one group's layers (common/kv_layout.py)
+        log.info("KV cache: %d blocks of %d tokens in %d layer group(s) (%.2f GiB), %d host blocks for swap; "
+                 "%.1f concurrent requests at max_model_len %d (more where windows release blocks)", info.num_blocks,
+                 config.block_size, groups, info.num_blocks * info.block_bytes / (1 << 30), info.num_host_blocks,
+                 info.num_blocks * config.block_size / groups / self.max_model_len, self.max_model_len)
 
     def add_request(self, req: EngineRequest) -> None:
         try:

@@ -191,12 +191,17 @@ class TorchAttentionBackend:
                            window: int | None, softcap: float | None) -> torch.Tensor:
         nh, hd = k_cache.shape[-2:]
         q = query[p.rows].transpose(0, 1).unsqueeze(0)                         # [1, Hq, n, D]: 4-D is SDPA's fast path
+        mask = p.mask_for(window, q.device)
         if p.blocks is None:                                                   # fresh: no cached context
-            k, v = key[p.rows].transpose(0, 1).unsqueeze(0), value[p.rows].transpose(0, 1).unsqueeze(0)
-        else:
-            k = self._gather("k", k_cache, p.blocks).view(-1, nh, hd)[:p.length].transpose(0, 1).unsqueeze(0)
-            v = self._gather("v", v_cache, p.blocks).view(-1, nh, hd)[:p.length].transpose(0, 1).unsqueeze(0)
-        o = _attend(q, k.to(q.dtype), v.to(q.dtype), p.mask_for(window, q.device), scale, softcap)
+            k, v = key[p.rows], value[p.rows]
+        else:     # behind a window, only the blocks from the one holding the first query's first key
+            n, bs = p.rows.stop - p.rows.start, k_cache.shape[1]
+            lo = 0 if window is None else max(0, p.length - n - window + 1) // bs
+            k = self._gather("k", k_cache, p.blocks[lo:]).view(-1, nh, hd)[:p.length - lo * bs]
+            v = self._gather("v", v_cache, p.blocks[lo:]).view(-1, nh, hd)[:p.length - lo * bs]
+            mask = mask[:, lo * bs:]
+        o = _attend(q, k.transpose(0, 1).unsqueeze(0).to(q.dtype), v.transpose(0, 1).unsqueeze(0).to(q.dtype), mask,
+                    scale, softcap)
         return o.squeeze(0).transpose(0, 1)
 
 
