@@ -15,7 +15,6 @@ the plain block table.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import gcd
 
 NULL_BLOCK = -1     # a windowed group's entry whose block was freed (never read: outside every window)
 
@@ -46,10 +45,6 @@ class KVCacheLayout:
                     layer_group[layer], layer_slot[layer] = len(group_windows), slot
                 group_windows.append(w)
         return cls(tuple(group_windows), tuple(layer_group), tuple(layer_slot), size)
-
-    @classmethod
-    def single(cls, num_layers: int) -> "KVCacheLayout":
-        return cls.for_windows([None] * num_layers)
 
     @property
     def num_groups(self) -> int:
