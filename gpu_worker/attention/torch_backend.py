@@ -1,10 +1,11 @@
 """Pure-torch paged attention: the CPU backend and the reference the Triton kernels are tested against.
 
-Decodes (one query token) run through the native CPU kernel when it is built (cpu_decode: in place,
-one call per layer); otherwise as padded batched SDPA calls over K/V gathered block by block through
-the block tables, grouped by length so a few long sequences do not pad every short one. Prefill
-chunks run one SDPA call each (there are few per step); a fresh prefill with no cached context attends
-to its own new K/V directly, with no gather. Index tensors are built once per step in prepare().
+Decodes (one query token), and short query runs behind a context (speculative verification), run
+through the native CPU kernel when it is built (cpu_attention: in place, one call per layer). Without it
+decodes run as padded batched SDPA calls over K/V gathered block by block through the block tables,
+grouped by length so a few long sequences do not pad every short one. Prefill chunks run one SDPA call
+each (there are few per step); a fresh prefill with no cached context attends to its own new K/V
+directly, with no gather. Index tensors are built once per step in prepare().
 
 A windowed layer (sliding-window attention) masks the keys more than `window - 1` positions behind each
 query (the masks are built once per step and window); soft-capped scores (Gemma 2) are computed
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.attention import FP8_DTYPES, AttentionMetadata, cache_scale, cpu_decode, index_copy_rows, to_cache
+from gpu_worker.attention import FP8_DTYPES, AttentionMetadata, cache_scale, cpu_attention, index_copy_rows, to_cache
 
 # decodes whose lengths differ by more than this factor go to separate SDPA calls
 _DECODE_GROUP_SPREAD = 2.0
@@ -79,14 +80,14 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
-    native: cpu_decode.NativeDecodes | None = None      # set: the decodes run in the native kernel
+    native: cpu_attention.NativeRuns | None = None      # set: these sequences run in the native kernel
 
 
 class TorchAttentionBackend:
     name = "torch"
 
     def __init__(self, native: bool | None = None) -> None:
-        """`native`: use the CPU decode kernel (None: when it is built and the cache is on the CPU)."""
+        """`native`: use the CPU attention kernel (None: when it is built and the cache is on the CPU)."""
         self.native = native
         # Scratch for gathered K/V, reused by every layer: a fresh multi-MB tensor per call costs more in
         # page faults than the copy itself (index_select into it is ~2.5x faster than a fresh gather).
@@ -106,14 +107,18 @@ class TorchAttentionBackend:
     def prepare(self, meta: AttentionMetadata) -> TorchAttentionMetadata:
         ql, sl = meta.query_lens_list, meta.seq_lens_list
         starts = meta.query_start_loc.tolist()
+        if self.native is None:
+            self.native = cpu_attention.usable(meta.block_tables.device)
+        if self.native:
+            runs = [i for i, q in enumerate(ql) if cpu_attention.takes(q, sl[i])]
+            if runs:
+                prefills = [self._prefill(meta, i, starts[i]) for i, q in enumerate(ql)
+                            if not cpu_attention.takes(q, sl[i])]
+                nr = cpu_attention.prepare(meta.block_tables, meta.seq_lens, meta.query_start_loc, ql, runs,
+                                           every_row=len(runs) == len(ql))
+                return TorchAttentionMetadata(meta.slot_mapping, [], prefills, nr)
         prefills = [self._prefill(meta, i, starts[i]) for i, q in enumerate(ql) if q != 1]
         decodes = [i for i, q in enumerate(ql) if q == 1]
-        if self.native is None:
-            self.native = cpu_decode.usable(meta.block_tables.device)
-        if self.native and decodes:
-            nd = cpu_decode.prepare(meta.block_tables, meta.seq_lens, meta.query_start_loc, decodes,
-                                    every_row=len(decodes) == len(ql))
-            return TorchAttentionMetadata(meta.slot_mapping, [], prefills, nd)
         decodes.sort(key=lambda i: sl[i])
         groups = [self._decode_group(meta, g) for g in _decode_groups(sl, decodes)]
         if len(groups) == 1 and decodes == list(range(len(ql))):
@@ -161,15 +166,15 @@ class TorchAttentionBackend:
             value = to_cache(value, v_cache.dtype, v_scale).to(query.dtype)
         scale = scale * cache_scale(k_cache.dtype, k_scale)
         v_scale = cache_scale(v_cache.dtype, v_scale)
-        nd, how = meta.native, (scale, window, softcap)
-        if nd is not None and nd.rows is None:
-            out = cpu_decode.decode(query, k_cache, v_cache, nd, *how)
+        nr, how = meta.native, (scale, window, softcap)
+        if nr is not None and nr.rows is None:
+            out = cpu_attention.attend(query, k_cache, v_cache, nr, *how)
         elif len(meta.decodes) == 1 and meta.decodes[0].all_rows:
             out = self._decode(query, k_cache, v_cache, meta.decodes[0], *how)
         else:
             out = torch.empty_like(query)
-            if nd is not None:
-                out[nd.rows] = cpu_decode.decode(query, k_cache, v_cache, nd, *how)
+            if nr is not None:
+                out[nr.rows] = cpu_attention.attend(query, k_cache, v_cache, nr, *how)
             for g in meta.decodes:
                 out[g.rows] = self._decode(query, k_cache, v_cache, g, *how)
             for p in meta.prefills:

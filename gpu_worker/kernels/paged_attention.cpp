@@ -1,24 +1,30 @@
-// Decode attention on the CPU straight from the paged KV cache: one query token per sequence.
+// Paged attention on the CPU straight from the KV cache, for decodes and for short query runs behind a
+// context (speculative verification, small prefill chunks): a few query tokens per sequence.
 //
-// Why a kernel of our own: in torch a decode step gathers each sequence's blocks into a contiguous
-// copy and calls SDPA with a padding mask, per layer; at a handful of sequences that is a few small
-// ops whose fixed costs outweigh the arithmetic. Here each (sequence, kv head) reads its tokens through
-// the block table in place, converting fp32 / bf16 / fp16 / fp8 entries as it goes.
+// Why a kernel of our own: in torch each such sequence gathers its blocks into a contiguous copy and
+// calls SDPA with a mask, per layer; at a handful of sequences those fixed costs outweigh the arithmetic.
+// Here each (sequence, kv head) reads its keys through the block table in place, a tile at a time,
+// converting fp32 / bf16 / fp16 / fp8 entries as it goes, and every query row of that sequence and kv
+// head (its tokens times the query heads sharing the kv head) reads the tile while it sits in L1.
 //
-// Layouts: q and out are fp32 [B][Hq][D]; k and v caches are [blocks][block_size][Hkv][D] of `kv_dtype`
-// (0 fp32, 1 bf16, 2 fp16, 3 fp8 e4m3fn, 4 fp8 e5m2); block_tables int32 [B][max_blocks]; seq_lens int32
-// [B] counts the tokens to attend to, the current one included (it is written before attention). Query
-// head h reads kv head h / (Hq / Hkv). `scale` multiplies q.k (the caller folds the cache's k scale in);
-// the v scale is applied by the caller. `window` > 0 limits each query to its last `window` keys (its own
-// included: sliding-window layers); `softcap` > 0 caps each score at tanh(s / softcap) * softcap (Gemma 2).
+// Layouts: q and out are fp32 [rows][Hq][D]; sequence b owns rows q_start[b] .. q_start[b + 1] - 1, its
+// last n tokens, the last at position seq_lens[b] - 1 (all are written to the cache before attention);
+// token j attends causally to positions up to seq_lens[b] - n + j. k and v caches are
+// [blocks][block_size][Hkv][D] of `kv_dtype` (0 fp32, 1 bf16, 2 fp16, 3 fp8 e4m3fn, 4 fp8 e5m2);
+// block_tables int32 [B][max_blocks]. Query head h reads kv head h / (Hq / Hkv). `scale` multiplies q.k
+// (the caller folds the cache's k scale in); the v scale is applied by the caller. `window` > 0 limits
+// each query to its last `window` keys (its own included: sliding-window layers); `softcap` > 0 caps each
+// score at tanh(s / softcap) * softcap (Gemma 2).
 //
 // Each entry point takes an `isa` level (2 AVX-512, 1 AVX2+FMA, 0 portable): the same loops compiled
-// for each target, chosen at run time, so every path can be tested on one machine.
+// for each target (GCC vector types lower to each one's registers), chosen at run time, so every path can
+// be tested on one machine.
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "fp8.h"
@@ -40,15 +46,27 @@ inline float half_to_float(uint16_t h) {
 
 struct Args {
     const float* q; const void* k; const void* v; int kv_dtype;
-    const int32_t* tables; int max_blocks; const int32_t* lens;
+    const int32_t* tables; int max_blocks; const int32_t* lens; const int32_t* q_start;
     int B, Hq, Hkv, D, bs; float scale; float* out; int window; float softcap;
 };
 
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));   // unaligned loads and stores
+
+__attribute__((always_inline)) inline v8 load8(const float* p) { return *(const v8u*)p; }
+__attribute__((always_inline)) inline void store8(float* p, v8 x) { *(v8u*)p = x; }
+__attribute__((always_inline)) inline float hsum(v8 x) {
+    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+constexpr int TILE = 32;     // keys per tile: their K/V rows (fp32) stay in L1 while every query row reads them
+
 // One cache row (D entries of a token and kv head) as fp32: fp32 rows are used in place.
-__attribute__((always_inline)) inline const float* row_at(const Args& a, const void* cache, int b, int t, int h,
-                                                            float* buf) {
-    const int64_t block = a.tables[(int64_t)b * a.max_blocks + t / a.bs];
-    const int64_t at = ((block * a.bs + t % a.bs) * a.Hkv + h) * a.D;
+__attribute__((always_inline)) inline const float* row_at(const Args& a, const void* cache, int64_t block, int off,
+                                                            int h, float* buf) {
+    const int64_t at = ((block * a.bs + off) * a.Hkv + h) * a.D;
     switch (a.kv_dtype) {
         case 0: return (const float*)cache + at;
         case 1: {
@@ -72,79 +90,299 @@ __attribute__((always_inline)) inline const float* row_at(const Args& a, const v
     }
 }
 
-// Softmax attention of the G query heads that share kv head h, for sequence b: scores, then weights,
-// then the weighted sum of V rows (two passes over the cache, no rescaling per token).
-__attribute__((always_inline)) inline void attend(const Args& a, int b, int h, float* scores, float* buf,
-                                                  float* acc) {
-    const int G = a.Hq / a.Hkv, D = a.D;
-    const int first = a.window > 0 && a.lens[b] > a.window ? a.lens[b] - a.window : 0;
-    const int L = a.lens[b] - first;      // keys attended to: positions first .. lens[b] - 1
-    const float* q = a.q + ((int64_t)b * a.Hq + (int64_t)h * G) * D;
-    for (int t = 0; t < L; ++t) {
-        const float* k = row_at(a, a.k, b, first + t, h, buf);
-        for (int g = 0; g < G; ++g) {
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int i = 0; i < D; ++i) s += q[g * D + i] * k[i];
-            s *= a.scale;
-            scores[g * L + t] = a.softcap > 0.f ? tanhf(s / a.softcap) * a.softcap : s;
-        }
-    }
-    float total[64];
-    for (int g = 0; g < G; ++g) {
-        float* s = scores + (int64_t)g * L;
-        float mx = -INFINITY, sum = 0.f;
-        for (int t = 0; t < L; ++t) mx = s[t] > mx ? s[t] : mx;
-        for (int t = 0; t < L; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
-        total[g] = sum;
-    }
-    memset(acc, 0, sizeof(float) * G * D);
-    for (int t = 0; t < L; ++t) {
-        const float* v = row_at(a, a.v, b, first + t, h, buf);
-        for (int g = 0; g < G; ++g) {
-            const float p = scores[(int64_t)g * L + t];
-            float* o = acc + g * D;
-#pragma omp simd
-            for (int i = 0; i < D; ++i) o[i] += p * v[i];
-        }
-    }
-    float* out = a.out + ((int64_t)b * a.Hq + (int64_t)h * G) * D;
-    for (int g = 0; g < G; ++g)
-        for (int i = 0; i < D; ++i) out[g * D + i] = acc[g * D + i] / total[g];
+// e^x, 8 at a time, for the softmax's x <= 0: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' expf
+// polynomial (about 1 ulp), times 2^n built in the exponent bits. Below -87 it gives e^-87, not 0: a
+// weight that small changes no sum it joins.
+__attribute__((always_inline)) inline v8 exp8(v8 x) {
+    x = x < -87.f ? (v8){} - 87.f : x;
+    const v8 n = (x * 1.44269504f + 12582912.f) - 12582912.f;          // round to nearest: 1.5 * 2^23
+    const v8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;          // ln 2 in two parts
+    v8 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    return p * (v8)((__builtin_convertvector(n, v8i) + 127) << 23);
 }
 
-__attribute__((always_inline)) inline void decode_all(const Args& a) {
-    int longest = 1;
-    for (int b = 0; b < a.B; ++b) longest = a.lens[b] > longest ? a.lens[b] : longest;
+// The largest of m and sc[0:T] (sc has room for TILE: the tail is padded).
+__attribute__((always_inline)) inline float max_of(float* sc, int T, float m) {
+    for (int t = T; t < (T + 7) / 8 * 8; ++t) sc[t] = -INFINITY;
+    v8 mx = (v8){} + m;
+    for (int t = 0; t < T; t += 8) {
+        const v8 x = load8(sc + t);
+        mx = x > mx ? x : mx;
+    }
+    const float a = mx[0] > mx[1] ? mx[0] : mx[1], b = mx[2] > mx[3] ? mx[2] : mx[3];
+    const float c = mx[4] > mx[5] ? mx[4] : mx[5], d = mx[6] > mx[7] ? mx[6] : mx[7];
+    const float ab = a > b ? a : b, cd = c > d ? c : d;
+    return ab > cd ? ab : cd;
+}
+
+// sc[0:T] = e^(sc - mx) (masked scores, -inf, become 0); returns their sum. sc has room for TILE.
+__attribute__((always_inline)) inline float exp_shifted(float* sc, int T, float mx) {
+    for (int t = T; t < (T + 7) / 8 * 8; ++t) sc[t] = -INFINITY;
+    v8 sum = {};
+    for (int t = 0; t < T; t += 8) {
+        const v8 x = load8(sc + t);
+        const v8 e = x == -INFINITY ? (v8){} : exp8(x - mx);
+        store8(sc + t, e);
+        sum += e;
+    }
+    return hsum(sum);
+}
+
+// Per-thread buffers, sized for the step's largest work item.
+struct Scratch {
+    std::vector<float> kbuf, vbuf, scores, acc, m, l;
+    std::vector<const float*> kp, vp;
+    Scratch(int rows, int D)
+        : kbuf((size_t)TILE * D), vbuf((size_t)TILE * D), scores((size_t)rows * TILE), acc((size_t)rows * D),
+          m(rows), l(rows), kp(TILE), vp(TILE) {}
+};
+
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+
+// The four horizontal sums of a, b, c, d in one vector: halves added, then two rounds of pairing.
+__attribute__((always_inline)) inline v4 hsum4(v8 a8, v8 b8, v8 c8, v8 d8) {
+    const v4 a = __builtin_shufflevector(a8, a8, 0, 1, 2, 3) + __builtin_shufflevector(a8, a8, 4, 5, 6, 7);
+    const v4 b = __builtin_shufflevector(b8, b8, 0, 1, 2, 3) + __builtin_shufflevector(b8, b8, 4, 5, 6, 7);
+    const v4 c = __builtin_shufflevector(c8, c8, 0, 1, 2, 3) + __builtin_shufflevector(c8, c8, 4, 5, 6, 7);
+    const v4 d = __builtin_shufflevector(d8, d8, 0, 1, 2, 3) + __builtin_shufflevector(d8, d8, 4, 5, 6, 7);
+    const v4i even = {0, 4, 1, 5}, odd = {2, 6, 3, 7}, first = {0, 1, 4, 5}, second = {2, 3, 6, 7};
+    const v4 ab = __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
+    const v4 cd = __builtin_shuffle(c, d, even) + __builtin_shuffle(c, d, odd);
+    return __builtin_shuffle(ab, cd, first) + __builtin_shuffle(ab, cd, second);
+}
+
+// sc[t] = scale * q . k[t] for t < T. NV > 0 fixes D = 8 * NV at compile time: q (times scale) sits in
+// registers and four keys go at once (four independent sums, reduced together); NV == 0 takes any D.
+template <int NV>
+__attribute__((always_inline)) inline void dots(const float* q, float scale, const float* const* k, int T, int D,
+                                                float* sc) {
+    if (NV) {
+        constexpr int R = NV ? NV : 1;
+        v8 qv[R];
+        for (int c = 0; c < R; ++c) qv[c] = load8(q + 8 * c) * scale;
+        int t = 0;
+        for (; t + 4 <= T; t += 4) {
+            v8 s0 = qv[0] * load8(k[t]), s1 = qv[0] * load8(k[t + 1]), s2 = qv[0] * load8(k[t + 2]),
+               s3 = qv[0] * load8(k[t + 3]);
+            for (int c = 1; c < R; ++c) {
+                s0 += qv[c] * load8(k[t] + 8 * c);
+                s1 += qv[c] * load8(k[t + 1] + 8 * c);
+                s2 += qv[c] * load8(k[t + 2] + 8 * c);
+                s3 += qv[c] * load8(k[t + 3] + 8 * c);
+            }
+            *(v4*)(sc + t) = hsum4(s0, s1, s2, s3);
+        }
+        for (; t < T; ++t) {
+            v8 s0 = qv[0] * load8(k[t]);
+            for (int c = 1; c < R; ++c) s0 += qv[c] * load8(k[t] + 8 * c);
+            sc[t] = hsum(s0);
+        }
+        return;
+    }
+    const int nv = D / 8;
+    for (int t = 0; t < T; ++t) {
+        v8 s0 = {};
+        for (int c = 0; c < nv; ++c) s0 += load8(q + 8 * c) * load8(k[t] + 8 * c);
+        float x = hsum(s0);
+        for (int i = nv * 8; i < D; ++i) x += q[i] * k[t][i];
+        sc[t] = x * scale;
+    }
+}
+
+// acc[0:D] = acc * corr + sum_t p[t] * v[t][0:D]
+template <int NV>
+__attribute__((always_inline)) inline void accumulate(float* acc, float corr, const float* p, const float* const* v,
+                                                      int T, int D) {
+    const int nv = NV ? NV : D / 8;
+    constexpr int R = NV ? NV : 1;
+    if (NV) {
+        v8 o[R];
+        for (int c = 0; c < R; ++c) o[c] = load8(acc + 8 * c) * corr;
+        for (int t = 0; t < T; ++t)
+            for (int c = 0; c < R; ++c) o[c] += p[t] * load8(v[t] + 8 * c);
+        for (int c = 0; c < R; ++c) store8(acc + 8 * c, o[c]);
+        return;
+    }
+    for (int i = 0; i < D; ++i) acc[i] *= corr;
+    for (int t = 0; t < T; ++t) {
+        for (int c = 0; c < nv; ++c) store8(acc + 8 * c, load8(acc + 8 * c) + p[t] * load8(v[t] + 8 * c));
+        for (int i = nv * 8; i < D; ++i) acc[i] += p[t] * v[t][i];
+    }
+}
+
+// The keys sequence b's first query token sees: from its window's start (0 without one) to lens[b].
+inline int first_key(const Args& a, int b) {
+    const int p0 = a.lens[b] - (a.q_start[b + 1] - a.q_start[b]);
+    return a.window > 0 && p0 - a.window + 1 > 0 ? p0 - a.window + 1 : 0;
+}
+
+// Attention of sequence b's query rows over kv head h and the keys [k_lo, k_hi): its n query tokens (the
+// last n positions of its lens[b] keys, causal among themselves) times the G query heads sharing h. Keys
+// go by in tiles of TILE; each row keeps a running max, sum and unnormalized output (online softmax) in
+// s.m, s.l, s.acc, so no score buffer grows with length, and key ranges can be merged afterwards.
+template <int NV>
+__attribute__((always_inline)) inline void attend(const Args& a, int b, int h, int k_lo, int k_hi, Scratch& s) {
+    const int G = a.Hq / a.Hkv, D = NV ? 8 * NV : a.D;
+    const int q0 = a.q_start[b], n = a.q_start[b + 1] - q0, R = n * G, p0 = a.lens[b] - n;
+    for (int r = 0; r < R; ++r) { s.m[r] = -INFINITY; s.l[r] = 0.f; }
+    memset(s.acc.data(), 0, sizeof(float) * R * D);
+    const int32_t* table = a.tables + (int64_t)b * a.max_blocks;
+    for (int t0 = k_lo; t0 < k_hi; t0 += TILE) {
+        const int T = k_hi - t0 < TILE ? k_hi - t0 : TILE;
+        for (int t = 0, blk = t0 / a.bs, off = t0 % a.bs; t < T; ++t) {
+            s.kp[t] = row_at(a, a.k, table[blk], off, h, s.kbuf.data() + (int64_t)t * D);
+            s.vp[t] = row_at(a, a.v, table[blk], off, h, s.vbuf.data() + (int64_t)t * D);
+            if (++off == a.bs) { off = 0; ++blk; }
+        }
+        for (int r = 0; r < R; ++r) {
+            const int j = r / G, g = r % G, pos = p0 + j;        // query token j at position pos
+            const int lo = a.window > 0 && pos - a.window + 1 > 0 ? pos - a.window + 1 : 0;
+            const float* q = a.q + ((int64_t)(q0 + j) * a.Hq + (int64_t)h * G + g) * D;
+            // the keys of this tile the row sees are one run: from its window's start to itself
+            const int tlo = lo > t0 ? lo - t0 : 0, thi = pos - t0 + 1 < T ? pos - t0 + 1 : T, n_keys = thi - tlo;
+            if (n_keys <= 0) continue;
+            float* sc = s.scores.data() + (int64_t)r * TILE;
+            dots<NV>(q, a.scale, s.kp.data() + tlo, n_keys, D, sc);
+            if (a.softcap > 0.f)
+                for (int t = 0; t < n_keys; ++t) sc[t] = tanhf(sc[t] / a.softcap) * a.softcap;
+            const float mx = max_of(sc, n_keys, s.m[r]);
+            const float sum = exp_shifted(sc, n_keys, mx);
+            const float corr = s.m[r] == -INFINITY ? 0.f : expf(s.m[r] - mx);
+            s.l[r] = s.l[r] * corr + sum;
+            s.m[r] = mx;
+            accumulate<NV>(s.acc.data() + (int64_t)r * D, corr, sc, s.vp.data() + tlo, n_keys, D);
+        }
+    }
+}
+
+// The per-ISA entry of one work item. The ISA must be on this function, not on a caller: the body of an
+// `omp parallel` region is outlined into a function of its own, which would not inherit the target.
+using Item = void (*)(const Args&, int, int, int, int, Scratch&);
+template <int NV>
+__attribute__((target("avx512f,avx512bw,fma"))) void item_avx512(const Args& a, int b, int h, int lo, int hi,
+                                                                 Scratch& s) {
+    attend<NV>(a, b, h, lo, hi, s);
+}
+template <int NV>
+__attribute__((target("avx2,fma"))) void item_avx2(const Args& a, int b, int h, int lo, int hi, Scratch& s) {
+    attend<NV>(a, b, h, lo, hi, s);
+}
+template <int NV>
+void item_portable(const Args& a, int b, int h, int lo, int hi, Scratch& s) { attend<NV>(a, b, h, lo, hi, s); }
+
+// Head sizes of the models we serve get a compile-time D (registers, unrolled loops); any other D runs
+// the generic loops.
+Item pick(int isa, int D) {
+#define PSQ_PICK(NV) (isa >= 2 ? item_avx512<NV> : isa == 1 ? item_avx2<NV> : item_portable<NV>)
+    switch (D) {
+        case 64: return PSQ_PICK(8);
+        case 128: return PSQ_PICK(16);
+        case 32: return PSQ_PICK(4);
+        case 16: return PSQ_PICK(2);
+        default: return PSQ_PICK(0);
+    }
+#undef PSQ_PICK
+}
+
+// Row r of sequence b and kv head h: query token r / G, head h * G + r % G.
+inline float* out_row(const Args& a, int b, int h, int r) {
     const int G = a.Hq / a.Hkv;
-    const int64_t work = (int64_t)a.B * a.Hq * longest * a.D;
-#pragma omp parallel if (work > (1 << 15))
-    {
-        std::vector<float> scores((size_t)G * longest), buf(a.D), acc((size_t)G * a.D);
-#pragma omp for schedule(dynamic) collapse(2)
-        for (int b = 0; b < a.B; ++b)
-            for (int h = 0; h < a.Hkv; ++h) attend(a, b, h, scores.data(), buf.data(), acc.data());
+    return a.out + ((int64_t)(a.q_start[b] + r / G) * a.Hq + (int64_t)h * G + r % G) * a.D;
+}
+
+// The rows' outputs from the running sums of `parts` key ranges: [parts][rows] maxima and sums, and
+// [parts][rows][D] unnormalized outputs, each range weighted by e^(its max - the overall max).
+void merge(const Args& a, int b, int h, int R, int parts, const float* m, const float* l, const float* acc) {
+    const int D = a.D;
+    for (int r = 0; r < R; ++r) {
+        float mx = -INFINITY, total = 0.f;
+        for (int p = 0; p < parts; ++p) mx = m[p * R + r] > mx ? m[p * R + r] : mx;
+        float* out = out_row(a, b, h, r);
+        for (int i = 0; i < D; ++i) out[i] = 0.f;
+        for (int p = 0; p < parts; ++p) {
+            if (m[p * R + r] == -INFINITY) continue;           // the range held no key the row sees
+            const float w = expf(m[p * R + r] - mx);
+            total += l[p * R + r] * w;
+            const float* x = acc + ((int64_t)p * R + r) * D;
+            for (int i = 0; i < D; ++i) out[i] += x[i] * w;
+        }
+        for (int i = 0; i < D; ++i) out[i] /= total;
     }
 }
 
-__attribute__((target("avx512f,avx512bw,fma"))) void decode_avx512(const Args& a) { decode_all(a); }
-__attribute__((target("avx2,fma"))) void decode_avx2(const Args& a) { decode_all(a); }
-void decode_portable(const Args& a) { decode_all(a); }
+// Work items are (sequence, kv head, key range). With fewer (sequence, kv head) pairs than four per
+// thread, long contexts split their keys into ranges of whole tiles, so a single stream's 2-8 kv heads
+// still use every core; the ranges' running sums are merged at the end.
+void attend_all(const Args& a, Item item) {
+    int most = 1, longest = 1;
+    int64_t work = 0;
+    for (int b = 0; b < a.B; ++b) {
+        const int n = a.q_start[b + 1] - a.q_start[b];
+        most = n > most ? n : most;
+        longest = a.lens[b] > longest ? a.lens[b] : longest;
+        work += (int64_t)n * a.lens[b];
+    }
+    const int G = a.Hq / a.Hkv, R = most * G, pairs = a.B * a.Hkv;
+    work *= (int64_t)a.Hq * a.D;
+    const bool parallel = work > (1 << 15);
+    const int want = parallel ? 4 * omp_get_max_threads() : 1;     // work items wanted
+    const int parts = pairs >= want ? 1 : std::max(1, std::min((want + pairs - 1) / pairs, longest / (4 * TILE)));
+    std::vector<float> m, l, acc;
+    if (parts > 1) {
+        m.resize((size_t)pairs * parts * R);
+        l.resize(m.size());
+        acc.resize(m.size() * a.D);
+    }
+#pragma omp parallel if (parallel)
+    {
+        Scratch s(R, a.D);
+#pragma omp for schedule(dynamic)
+        for (int64_t w = 0; w < (int64_t)pairs * parts; ++w) {
+            const int pair = (int)(w / parts), part = (int)(w % parts), b = pair / a.Hkv, h = pair % a.Hkv;
+            const int rows = (a.q_start[b + 1] - a.q_start[b]) * G, first = first_key(a, b), L = a.lens[b];
+            const int span = (L - first + parts - 1) / parts, chunk = (span + TILE - 1) / TILE * TILE;
+            const int lo = first + part * chunk < L ? first + part * chunk : L, hi = lo + chunk < L ? lo + chunk : L;
+            item(a, b, h, lo, hi, s);
+            if (parts == 1) {
+                merge(a, b, h, rows, 1, s.m.data(), s.l.data(), s.acc.data());
+                continue;
+            }
+            const int64_t at = ((int64_t)pair * parts + part) * R;    // this pair's parts sit [part][R]
+            for (int r = 0; r < rows; ++r) {
+                m[at + r] = s.m[r];
+                l[at + r] = s.l[r];
+            }
+            memcpy(&acc[at * a.D], s.acc.data(), sizeof(float) * rows * a.D);
+        }
+        if (parts > 1) {
+#pragma omp for schedule(static)
+            for (int pair = 0; pair < pairs; ++pair) {
+                const int b = pair / a.Hkv, h = pair % a.Hkv;
+                const int64_t at = (int64_t)pair * parts * R;
+                merge(a, b, h, (a.q_start[b + 1] - a.q_start[b]) * G, parts, &m[at], &l[at], &acc[at * a.D]);
+            }
+        }
+    }
+}
 
 }  // namespace
 
 extern "C" {
 
-// Returns 0, or -1 when the shapes are beyond the kernel (more than 64 query heads per kv head).
-int psq_paged_decode(const float* q, const void* k_cache, const void* v_cache, int kv_dtype, const int32_t* tables,
-                     int max_blocks, const int32_t* seq_lens, int B, int Hq, int Hkv, int D, int block_size,
-                     float scale, float* out, int window, float softcap, int isa) {
-    if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > 64 || kv_dtype < 0 || kv_dtype > 4) return -1;
-    const Args a{q, k_cache, v_cache, kv_dtype, tables, max_blocks, seq_lens, B, Hq, Hkv, D, block_size, scale, out,
-                 window, softcap};
-    if (isa >= 2) decode_avx512(a);
-    else if (isa == 1) decode_avx2(a);
-    else decode_portable(a);
+// Returns 0, or -1 when the shapes are beyond the kernel.
+int psq_paged_attention(const float* q, const void* k_cache, const void* v_cache, int kv_dtype, const int32_t* tables,
+                        int max_blocks, const int32_t* seq_lens, const int32_t* q_start, int B, int Hq, int Hkv, int D,
+                        int block_size, float scale, float* out, int window, float softcap, int isa) {
+    if (Hkv <= 0 || Hq % Hkv || kv_dtype < 0 || kv_dtype > 4 || D <= 0) return -1;
+    const Args a{q, k_cache, v_cache, kv_dtype, tables, max_blocks, seq_lens, q_start, B, Hq, Hkv, D, block_size,
+                 scale, out, window, softcap};
+    attend_all(a, pick(isa, D));
     return 0;
 }
 

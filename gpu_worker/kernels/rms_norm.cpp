@@ -9,30 +9,30 @@
 
 namespace {
 
-__attribute__((always_inline)) inline void norm_rows(const float* x, int rows, int n, const float* w, float eps,
-                                                     float* y) {
-#pragma omp parallel for schedule(static) if ((int64_t)rows * n > (1 << 16))
-    for (int r = 0; r < rows; ++r) {
-        const float* xr = x + (int64_t)r * n;
-        float* yr = y + (int64_t)r * n;
-        float ss = 0.f;
+__attribute__((always_inline)) inline void norm_row(const float* xr, int n, const float* w, float eps, float* yr) {
+    float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-        for (int i = 0; i < n; ++i) ss += xr[i] * xr[i];
-        const float inv = 1.f / sqrtf(ss / (float)n + eps);
+    for (int i = 0; i < n; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / sqrtf(ss / (float)n + eps);
 #pragma omp simd
-        for (int i = 0; i < n; ++i) yr[i] = (xr[i] * inv) * w[i];
-    }
+    for (int i = 0; i < n; ++i) yr[i] = (xr[i] * inv) * w[i];
 }
 
-__attribute__((target("avx512f,fma"))) void norm_avx512(const float* x, int rows, int n, const float* w, float eps,
-                                                         float* y) { norm_rows(x, rows, n, w, eps, y); }
-__attribute__((target("avx2,fma"))) void norm_avx2(const float* x, int rows, int n, const float* w, float eps,
-                                                    float* y) { norm_rows(x, rows, n, w, eps, y); }
+// The ISA sits on the per-row functions, not on a caller of the `omp parallel` loop: the loop's body is
+// outlined into a function of its own, which would not inherit the caller's target.
+using Row = void (*)(const float*, int, const float*, float, float*);
+__attribute__((target("avx512f,fma"))) void row_avx512(const float* x, int n, const float* w, float eps, float* y) {
+    norm_row(x, n, w, eps, y);
+}
+__attribute__((target("avx2,fma"))) void row_avx2(const float* x, int n, const float* w, float eps, float* y) {
+    norm_row(x, n, w, eps, y);
+}
+void row_portable(const float* x, int n, const float* w, float eps, float* y) { norm_row(x, n, w, eps, y); }
 
 }  // namespace
 
 extern "C" void psq_rms_norm(const float* x, int rows, int n, const float* w, float eps, float* y, int isa) {
-    if (isa >= 2) norm_avx512(x, rows, n, w, eps, y);
-    else if (isa == 1) norm_avx2(x, rows, n, w, eps, y);
-    else norm_rows(x, rows, n, w, eps, y);
+    const Row row = isa >= 2 ? row_avx512 : isa == 1 ? row_avx2 : row_portable;
+#pragma omp parallel for schedule(static) if ((int64_t)rows * n > (1 << 16))
+    for (int r = 0; r < rows; ++r) row(x + (int64_t)r * n, n, w, eps, y + (int64_t)r * n);
 }

@@ -1,14 +1,16 @@
-"""The native CPU decode kernel (gpu_worker/kernels/paged_attention.cpp) against the torch backend's SDPA
-path, on every cache dtype and instruction-set level this CPU has, in mixed steps."""
+"""The native CPU attention kernel (gpu_worker/kernels/paged_attention.cpp) against the torch backend's SDPA
+path and a direct fp64 computation, on every cache dtype and instruction-set level this CPU has, in mixed
+steps: decodes, short query runs behind a context (speculative verification), prefills."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from gpu_worker.attention import to_cache
+from gpu_worker.attention import cpu_attention
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.kernels import native
-from tests.attention_cases import make_meta, rand
+from tests.attention_cases import dense_reference, make_meta, rand
 
 pytestmark = pytest.mark.unit
 CPU = torch.device("cpu")
@@ -26,18 +28,19 @@ def run(seqs, hq, hkv, head_dim, block_size, kv_dtype, native_on: bool, seed: in
     key, value = (c.view(-1, hkv, head_dim)[meta.slot_mapping].float() for c in (k_cache, v_cache))
     backend = TorchAttentionBackend(native=native_on)
     prepared = backend.prepare(meta)
-    assert (prepared.native is not None) == (native_on and any(q == 1 for _, q in seqs))
+    assert (prepared.native is not None) == (native_on and any(cpu_attention.takes(q, c + q) for c, q in seqs))
     return backend.forward(query, key, value, k_cache, v_cache, prepared, head_dim ** -0.5, 0.5, 0.5, **how)
 
 
 @pytest.mark.skipif(not native.available(), reason="the native kernels are not built")
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("seqs", [[(20, 1), (0, 1), (33, 1), (5, 1)], [(20, 1), (0, 19), (13, 7), (5, 1), (40, 1)]],
-                         ids=["decodes-only", "mixed"])
+@pytest.mark.parametrize("seqs", [[(20, 1), (0, 1), (33, 1), (5, 1)], [(20, 1), (0, 19), (13, 7), (5, 1), (40, 1)],
+                                  [(20, 5), (0, 1), (70, 9), (13, 16), (5, 17), (0, 3)]],
+                         ids=["decodes-only", "mixed", "verify-runs"])
 def test_native_decode_matches_sdpa(seqs, kv_dtype, isa, force_isa):
     force_isa(isa)
-    for hq, hkv, d in ((4, 2, 64), (9, 3, 64), (8, 1, 32)):
+    for hq, hkv, d in ((4, 2, 64), (9, 3, 64), (8, 1, 32), (4, 4, 20), (2, 1, 128)):
         got = run(seqs, hq, hkv, d, 16, kv_dtype, True)
         want = run(seqs, hq, hkv, d, 16, kv_dtype, False)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
@@ -48,7 +51,7 @@ def test_native_decode_matches_sdpa(seqs, kv_dtype, isa, force_isa):
 @pytest.mark.parametrize("window,softcap", [(7, None), (None, 4.0), (7, 4.0)])
 def test_native_decode_window_and_softcap_match_sdpa(window, softcap, isa, force_isa):
     force_isa(isa)
-    seqs = [(20, 1), (0, 1), (33, 1), (5, 1), (6, 1)]
+    seqs = [(20, 1), (0, 1), (33, 1), (5, 1), (6, 1), (30, 6), (3, 9)]
     got = run(seqs, 4, 2, 64, 16, torch.float32, True, window=window, softcap=softcap)
     want = run(seqs, 4, 2, 64, 16, torch.float32, False, window=window, softcap=softcap)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
@@ -57,3 +60,26 @@ def test_native_decode_window_and_softcap_match_sdpa(window, softcap, isa, force
 @pytest.mark.skipif(not native.available(), reason="the native kernels are not built")
 def test_native_decode_is_used_by_default_on_the_cpu():
     assert TorchAttentionBackend().prepare(make_meta([(3, 1)], 16, 4, torch.Generator(), CPU)).native is not None
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernels are not built")
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("window,softcap", [(None, None), (45, None), (40, 3.0)])
+@pytest.mark.parametrize("head_dim", [64, 20])
+@pytest.mark.parametrize("seqs", [[(100, 4), (0, 1), (64, 1), (37, 16), (200, 1), (31, 2)], [(700, 1)], [(650, 5)]],
+                         ids=["batch", "long-decode", "long-run"])
+def test_native_runs_across_tiles_match_fp64(seqs, window, softcap, head_dim, isa, force_isa):
+    """Contexts of several key tiles (32 keys) and blocks of 8, windows that start inside a tile, query runs
+    of 1..16 tokens: against the attention written out per token in fp64. A lone long sequence splits its
+    keys into ranges run in parallel and merged."""
+    force_isa(isa)
+    gen = torch.Generator().manual_seed(3)
+    num_blocks = sum((c + q + 7) // 8 for c, q in seqs) + 4
+    meta = make_meta(seqs, 8, num_blocks, gen, CPU)
+    k_cache, v_cache = (rand((num_blocks, 8, 2, head_dim), torch.float32, gen, CPU) for _ in range(2))
+    query = rand((sum(q for _, q in seqs), 6, head_dim), torch.float32, gen, CPU)
+    nr = cpu_attention.prepare(meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.query_lens_list,
+                               list(range(len(seqs))), every_row=True)
+    got = cpu_attention.attend(query, k_cache, v_cache, nr, head_dim ** -0.5, window, softcap)
+    want = dense_reference(query, k_cache, v_cache, meta, head_dim ** -0.5, window, softcap)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,76 @@
+"""Paged attention through the native CPU kernel (gpu_worker/kernels/paged_attention.cpp), for decodes
+and for short query runs behind a context (speculative verification, small prefill chunks).
+
+The torch backend otherwise gathers each sequence's blocks into a copy and runs a masked SDPA, per
+layer: at a few sequences those fixed costs are most of the attention time. The kernel reads K/V in
+place through the block tables, in one call per layer for every such sequence of the step, and reads
+every cache dtype the engine allocates (fp32, bf16, fp16, fp8 e4m3/e5m2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.kernels import native
+
+KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3,
+                  torch.float8_e5m2: 4}
+# Query runs up to this long, behind a context, go to the kernel: it reads each key tile once for every
+# row of a sequence, so a speculative step's k + 1 rows cost little more than one decode. Longer chunks
+# are prefill work, where SDPA's batched matmuls win.
+MAX_QUERY_LEN = 16
+
+
+@dataclass
+class NativeRuns:
+    rows: torch.Tensor | None       # the step's query rows of these sequences; None: every row, in order
+    tables: torch.Tensor            # int32 [B, max_blocks] their block tables
+    lens: torch.Tensor              # int32 [B] tokens each attends to, its new ones included
+    q_start: torch.Tensor           # int32 [B + 1] where each one's rows start among `rows`
+
+
+def usable(device: torch.device) -> bool:
+    return device.type == "cpu" and native.library() is not None
+
+
+def takes(query_len: int, seq_len: int) -> bool:
+    """Whether the kernel runs this sequence's attention: a decode, or a short run behind a context."""
+    return query_len == 1 or (query_len <= MAX_QUERY_LEN and seq_len > query_len)
+
+
+def prepare(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+            query_lens: list[int], seqs: list[int], every_row: bool) -> NativeRuns:
+    counts = [query_lens[i] for i in seqs]
+    q_start = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    q_start[1:] = torch.tensor(counts, dtype=torch.int32).cumsum(0)
+    if every_row:
+        return NativeRuns(None, block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
+                          q_start)
+    idx = torch.tensor(seqs, dtype=torch.long)
+    starts = query_start_loc[idx].long()
+    if all(c == 1 for c in counts):
+        rows = starts
+    else:
+        rows = torch.repeat_interleave(starts - q_start[:-1].long(), torch.tensor(counts)) + \
+            torch.arange(int(q_start[-1]))
+    return NativeRuns(rows, block_tables[idx].to(torch.int32).contiguous(), seq_lens[idx].to(torch.int32).contiguous(),
+                      q_start)
+
+
+def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, nr: NativeRuns,
+           scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Attention output [rows, Hq, D] (in query's dtype) of the kernel's rows, from the cache as it is
+    stored; `window` limits each to its last keys, `softcap` caps the scores (the kernel's header says how)."""
+    q = query if nr.rows is None else query[nr.rows]
+    q32 = q.float().contiguous()
+    rows, hq, d = q32.shape
+    out = torch.empty_like(q32)
+    hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    rc = native.library().psq_paged_attention(
+        q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KV_DTYPE_CODES[k_cache.dtype], nr.tables.data_ptr(),
+        nr.tables.shape[1], nr.lens.data_ptr(), nr.q_start.data_ptr(), nr.lens.shape[0], hq, hkv, d, bs, scale,
+        out.data_ptr(), window or 0, softcap or 0.0, native.cpu_isa())
+    if rc != 0:
+        raise ValueError(f"the native attention kernel cannot take {hq} query heads over {hkv} kv heads")
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
