@@ -20,10 +20,12 @@ from common.sampling_params import SamplingParams
 from common.speculative import SpeculativeConfig
 from gpu_worker.attention import (FP8_DTYPES, allocate_kv_cache, get_backend, index_copy_rows, kv_block_bytes,
                                   resolve_kv_cache_dtype)
+from gpu_worker.kernels import native
 from gpu_worker.lora import LoRAManager
+from gpu_worker.quantization.packed import GEMM_MAX_ROWS
 from gpu_worker.sampler import build_sampling_batch, draw, logprob_records, prompt_logprobs
 from gpu_worker.spec_decode import Proposer, build_proposer
-from gpu_worker.spec_decode.proposer import CachePair
+from gpu_worker.spec_decode.proposer import CachePair, fit_drafts
 from gpu_worker.spec_decode.rejection import verify
 from gpu_worker.step_inputs import PromptLogprobRows, SequenceState, StepInputs, build_step_inputs
 from gpu_worker.weight_loader import load_model, weight_bytes
@@ -85,6 +87,7 @@ class ModelRunner:
                              "windows release the blocks behind them; use the ngram method")
         self.proposer: Proposer | None = build_proposer(spec, self) if spec else None
         self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec else None
+        self.spec_max_rows = self._spec_max_rows()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []     # one pair per cache slot of a group
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: its slot's pair
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -236,9 +239,18 @@ class ModelRunner:
                                 if lps and want is not None else None)
             row += k
 
+    def _spec_max_rows(self) -> int | None:
+        """On the CPU, the rows a step may reach with drafts: as far as the packed kernel runs them
+        (GEMM_MAX_ROWS), extra rows cost little; beyond, the fp32 GEMM's cost grows with every row, and
+        drafts that are partly rejected cost more than they save. None: no cap (GPU)."""
+        if self.device.type != "cpu" or not native.available():
+            return None
+        return GEMM_MAX_ROWS[native.cpu_isa()]
+
     def _speculate(self, scheduled: list[tuple[str, int]], sampled: list[str], out: ModelRunnerOutput) -> None:
         """Show the proposer the step, and collect drafts for the next step of every sequence that just
-        sampled, unless the batch is at disable_by_batch_size (the scheduler would drop them)."""
+        sampled, unless the batch is at disable_by_batch_size (the scheduler would drop them); on the CPU
+        cut so that the next step's rows stay within spec_max_rows."""
         states = [self.seqs[s] for s, _ in scheduled]
         done = set(sampled)
         self.proposer.observe(states, [len(st.token_ids) if st.seq_id in done else st.num_computed_tokens + n
@@ -247,10 +259,14 @@ class ModelRunner:
         if not sampled or (limit is not None and len(sampled) >= limit):
             return
         seqs = [self.seqs[s] for s in sampled]
-        for st, d in zip(seqs, self.proposer.propose(seqs)):
+        drafts = self.proposer.propose(seqs)
+        keep = [len(d.token_ids) for d in drafts]
+        if self.spec_max_rows is not None:
+            keep = fit_drafts(keep, self.spec_max_rows - len(seqs))
+        for st, d, n in zip(seqs, drafts, keep):
             st.draft_probs = d.probs
-            if d.token_ids:
-                out.spec_token_ids[st.seq_id] = d.token_ids
+            if n:
+                out.spec_token_ids[st.seq_id] = d.token_ids[:n]
 
     def _prompt_logprobs(self, hidden: torch.Tensor, seq_id: str, lp: PromptLogprobRows) -> list[Logprob | None]:
         k = self.seqs[seq_id].params.prompt_logprobs

@@ -6,7 +6,7 @@ The weights are SmolLM2-135M's 30 layers of projections (qkv 960x576, o 576x576,
 576x1536) with random 4-bit values, 120 distinct matrices (~80 MB packed, ~425 MB as fp32), so neither
 side runs from cache: a decode step's conditions. For each row count it times all 120 products three
 ways, alternated per repeat: torch's fp32 GEMM, the native kernel (`direct`), and the expansion into fp32
-followed by the fp32 GEMM (`expand+gemm`, what steps above GEMM_MAX_ROWS do). The crossover of `direct`
+followed by the fp32 GEMM (`expand+gemm`, what steps above GEMM_MAX_ROWS[isa] do). The crossover of `direct`
 and `expand+gemm` is where GEMM_MAX_ROWS belongs.
 """
 from __future__ import annotations

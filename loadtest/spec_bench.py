@@ -24,7 +24,8 @@ from loadtest.workload import load_workload
 from pagedserve import LLM, SamplingParams
 
 WORKLOAD = Path(__file__).with_name("spec_workload.jsonl")
-NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+# k = 4: 5 rows a verifying step, one pass of the packed kernel's 5-row tile (loadtest/README.md)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
 
 def grounded_prompts(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:

@@ -15,7 +15,7 @@ from gpu_worker.layers.linear import Linear
 from gpu_worker.quantization import linear_method, resolve_quantization
 from gpu_worker.quantization.gguf import GGUFTensor
 from gpu_worker.quantization.gguf_blocks import SUPPORTED
-from gpu_worker.quantization.packed import GroupQuant, PackedWeight
+from gpu_worker.quantization.packed import GEMM_MAX_ROWS, GroupQuant, PackedWeight
 from tests.gguf_files import gguf_tensor
 
 pytestmark = pytest.mark.unit
@@ -73,22 +73,24 @@ def test_a_rows_result_does_not_depend_on_the_step_size(isa, force_isa):
     if native.cpu_isa() < native.ISA_LEVELS[isa]:
         pytest.skip(f"this CPU has no {isa}")
     # 96: a K with an odd run count; Q6_K: groups of 16 (the single-row path's other specialisation)
+    most = GEMM_MAX_ROWS[native.cpu_isa()]
     for qtype, k in ((T.Q4_1, 96), (T.Q8_0, 256), (T.Q4_K, 256), (T.Q6_K, 256)):
         pw = gguf_tensor(qtype, 24, k, seed=3).pack()
-        x = torch.randn(16, k)
-        alone = torch.cat([pw.matmul(x[i:i + 1]) for i in range(16)])
-        for rows in (2, 4, 5, 7, 8, 9, 16):
+        x = torch.randn(most, k)
+        alone = torch.cat([pw.matmul(x[i:i + 1]) for i in range(most)])
+        for rows in sorted({2, 4, 5, 7, 8, 9, 16, 21, 33, most} & set(range(2, most + 1))):
             assert torch.equal(pw.matmul(x[:rows]), alone[:rows]), (qtype.name, rows)
 
 
 def test_large_steps_and_the_torch_fallback_agree(monkeypatch):
     t = gguf_tensor(T.Q4_1, 64, 128, seed=2)
     pw, w = t.pack(), ref_weights(t)
-    x = torch.randn(40, 128)                     # above GEMM_MAX_ROWS: expanded weights, BLAS GEMM
+    rows = max(GEMM_MAX_ROWS.values()) + 1
+    x = torch.randn(rows, 128)                   # above GEMM_MAX_ROWS: expanded weights, BLAS GEMM
     want = x @ w.t()
     assert torch.allclose(pw.matmul(x), want, atol=1e-5)
     monkeypatch.setattr(native, "library", lambda: None)
-    for rows in (1, 40):
+    for rows in (1, rows):
         assert torch.allclose(pw.matmul(x[:rows]), want[:rows], atol=1e-5)
 
 

@@ -10,6 +10,7 @@ import pytest
 from common.speculative import SpeculativeConfig
 from gpu_worker.spec_decode.rejection import accepted_drafts
 from gpu_worker.spec_decode.ngram import propose_ngram
+from gpu_worker.spec_decode.proposer import fit_drafts
 from pagedserve import LLM, SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
@@ -92,6 +93,19 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
     assert propose_ngram([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 2, 3, 2) == [9, 2]      # longer match wins
     assert propose_ngram([1, 2, 3, 4], 1, 3, 2) == []                            # nothing repeats
     assert propose_ngram([5], 1, 3, 2) == []
+
+
+@pytest.mark.unit
+def test_drafts_are_cut_evenly_to_the_row_budget() -> None:
+    assert fit_drafts([4, 4, 0, 2], 10) == [4, 4, 0, 2]           # within the budget: untouched
+    assert fit_drafts([4, 4, 4, 4], 10) == [3, 3, 2, 2]           # two each, the rest one more to the first
+    assert fit_drafts([8, 1, 3], 6) == [3, 1, 2]                  # short drafts keep theirs, the long one is cut
+    assert fit_drafts([4, 4], 0) == [0, 0] and fit_drafts([4, 4], -3) == [0, 0]
+    for lengths, budget in (([5, 0, 7, 2, 2], 9), ([1] * 9, 4), ([6, 6, 6], 17)):
+        keep = fit_drafts(lengths, budget)
+        assert sum(keep) == min(budget, sum(lengths)) and all(0 <= k <= n for k, n in zip(keep, lengths))
+        cut = [k for k, n in zip(keep, lengths) if k < n]
+        assert all(k >= max(keep) - 1 for k in cut)                # a cut one is at most one short of any
 
 
 @pytest.mark.unit
@@ -424,7 +438,10 @@ def test_sampled_outputs_keep_the_target_distribution(tiny_case, draft_folder) -
     samples = {}
     arms = {"plain": None, "ngram": NGRAM, "draft": {"model": draft_folder, "num_speculative_tokens": 3}}
     for arm, spec in arms.items():
-        llm = LLM(folder, dtype="float32", kv_cache_memory=0.05, swap_space=0, speculative_config=spec)
+        # 8 at a time: the CPU worker cuts drafts to keep a step within GEMM_MAX_ROWS rows, and 600 at once
+        # would leave none
+        llm = LLM(folder, dtype="float32", kv_cache_memory=0.05, swap_space=0, speculative_config=spec,
+                  max_num_seqs=8)
         outs = llm.generate([prompt] * 600, sp, use_tqdm=False)
         samples[arm] = [o.outputs[0].token_ids for o in outs]
         if spec:

@@ -3,7 +3,7 @@
 GGUF blocks today, and any 4/8-bit format with per-group scales and zero points, end up here as
 w[n, k] = scale[n, g] * q[n, k] + offset[n, g]. Values 0..15 (with K a multiple of 32) are packed two to
 a byte; anything else takes a byte. On the CPU the native kernel (gpu_worker/kernels) expands the values
-in registers for steps of up to `GEMM_MAX_ROWS` rows, where reading fewer bytes is the whole win; larger
+in registers for steps of up to `GEMM_MAX_ROWS[isa]` rows, where reading fewer bytes is the whole win; larger
 steps expand the weight once into fp32 and use the BLAS GEMM; without the native library the same
 expansion is done in torch, slower, with the same values. On CUDA a Triton GEMM (kernels/triton_qgemm)
 dequantizes each weight tile in registers.
@@ -18,7 +18,12 @@ import torch
 
 from gpu_worker.kernels import native
 
-GEMM_MAX_ROWS = 16   # loadtest/qgemm_bench.py: direct wins up to ~16 rows, expand+gemm beyond
+# Per native ISA level, the largest step the native kernel runs (loadtest/qgemm_bench.py: where `direct` and
+# `expand+gemm` cross). AVX2 (EPYC, 2 threads): direct wins up to 28-40 rows, 40 keeps a speculative step
+# of 8 sequences x 5 rows on the kernel, so its rows stay bit-identical to plain decoding. AVX-512
+# (Sapphire Rapids): ~16. Portable: expansion wins from 1 row, but 16 keeps speculative verification
+# bit-identical to decoding there too.
+GEMM_MAX_ROWS = {0: 16, 1: 40, 2: 16}
 FP8_BITS = 9         # q holds float8_e4m3fn bytes (the native kernel's code for them)
 
 
@@ -154,7 +159,7 @@ class PackedWeight:
         if bias is not None and bias.dtype != torch.float32:
             bias = bias.float()
         lib = native.library() if x.device.type == "cpu" else None
-        if lib is not None and x2.shape[0] <= GEMM_MAX_ROWS:
+        if lib is not None and x2.shape[0] <= GEMM_MAX_ROWS[native.cpu_isa()]:
             y = self._native_gemm(lib, x2, bias)
         else:
             y = torch.nn.functional.linear(x2, self._dequantize_fast(lib), bias)

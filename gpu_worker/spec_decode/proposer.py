@@ -21,6 +21,25 @@ class Drafts:
     probs: torch.Tensor | None = None   # [len(token_ids), V]: the distribution each was drawn from; None: deterministic
 
 
+def fit_drafts(lengths: list[int], budget: int) -> list[int]:
+    """How many of each sequence's drafts to keep so that they add at most `budget` rows to the step:
+    every sequence keeps up to the same count (the largest that fits), and what is left goes one more
+    each to the first ones. The early drafts are the likeliest accepted, so cutting all evenly loses the
+    fewest tokens."""
+    if sum(lengths) <= budget:
+        return lengths
+    if budget <= 0:
+        return [0] * len(lengths)
+    cap = max(c for c in range(max(lengths) + 1) if sum(min(n, c) for n in lengths) <= budget)
+    keep = [min(n, cap) for n in lengths]
+    left = budget - sum(keep)
+    for i, n in enumerate(lengths):
+        if left and n > keep[i]:
+            keep[i] += 1
+            left -= 1
+    return keep
+
+
 class Proposer:
     num_speculative_tokens: int
 
