@@ -22,7 +22,7 @@ from gpu_worker.attention import (FP8_DTYPES, allocate_kv_cache, get_backend, in
                                   resolve_kv_cache_dtype)
 from gpu_worker.kernels import native
 from gpu_worker.lora import LoRAManager
-from gpu_worker.quantization.packed import GEMM_MAX_ROWS
+from gpu_worker.quantization.packed import GEMM_MAX_ROWS, PackedWeight
 from gpu_worker.sampler import build_sampling_batch, draw, logprob_records, prompt_logprobs
 from gpu_worker.spec_decode import Proposer, build_proposer
 from gpu_worker.spec_decode.proposer import CachePair, fit_drafts
@@ -240,10 +240,12 @@ class ModelRunner:
             row += k
 
     def _spec_max_rows(self) -> int | None:
-        """On the CPU, the rows a step may reach with drafts: as far as the packed kernel runs them
-        (GEMM_MAX_ROWS), extra rows cost little; beyond, the fp32 GEMM's cost grows with every row, and
-        drafts that are partly rejected cost more than they save. None: no cap (GPU)."""
-        if self.device.type != "cpu" or not native.available():
+        """With packed weights on the CPU, the rows a step may reach with drafts: as far as the packed
+        kernel runs them (GEMM_MAX_ROWS), extra rows cost little; beyond, the fp32 GEMM's cost grows with
+        every row, and drafts that are partly rejected cost more than they save. None: no cap (GPU, or
+        plain weights)."""
+        packed = any(isinstance(getattr(m, "packed", None), PackedWeight) for m in self.model.modules())
+        if self.device.type != "cpu" or not native.available() or not packed:
             return None
         return GEMM_MAX_ROWS[native.cpu_isa()]
 
@@ -258,11 +260,14 @@ class ModelRunner:
         limit = self.spec_disable_by_batch_size
         if not sampled or (limit is not None and len(sampled) >= limit):
             return
+        budget = None if self.spec_max_rows is None else self.spec_max_rows - len(sampled)
+        if budget is not None and budget <= 0:
+            return
         seqs = [self.seqs[s] for s in sampled]
         drafts = self.proposer.propose(seqs)
         keep = [len(d.token_ids) for d in drafts]
-        if self.spec_max_rows is not None:
-            keep = fit_drafts(keep, self.spec_max_rows - len(seqs))
+        if budget is not None:
+            keep = fit_drafts(keep, budget)
         for st, d, n in zip(seqs, drafts, keep):
             st.draft_probs = d.probs
             if n:

@@ -49,11 +49,12 @@ def test_native_decode_matches_sdpa(seqs, kv_dtype, isa, force_isa):
 @pytest.mark.skipif(not native.available(), reason="the native kernels are not built")
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("window,softcap", [(7, None), (None, 4.0), (7, 4.0)])
-def test_native_decode_window_and_softcap_match_sdpa(window, softcap, isa, force_isa):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=lambda d: str(d).split(".")[-1])
+def test_native_decode_window_and_softcap_match_sdpa(window, softcap, kv_dtype, isa, force_isa):
     force_isa(isa)
     seqs = [(20, 1), (0, 1), (33, 1), (5, 1), (6, 1), (30, 6), (3, 9)]
-    got = run(seqs, 4, 2, 64, 16, torch.float32, True, window=window, softcap=softcap)
-    want = run(seqs, 4, 2, 64, 16, torch.float32, False, window=window, softcap=softcap)
+    got = run(seqs, 4, 2, 64, 16, kv_dtype, True, window=window, softcap=softcap)
+    want = run(seqs, 4, 2, 64, 16, kv_dtype, False, window=window, softcap=softcap)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -65,13 +66,14 @@ def test_native_decode_is_used_by_default_on_the_cpu():
 @pytest.mark.skipif(not native.available(), reason="the native kernels are not built")
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("window,softcap", [(None, None), (45, None), (40, 3.0)])
-@pytest.mark.parametrize("head_dim", [64, 20])
-@pytest.mark.parametrize("seqs", [[(100, 4), (0, 1), (64, 1), (37, 16), (200, 1), (31, 2)], [(700, 1)], [(650, 5)]],
-                         ids=["batch", "long-decode", "long-run"])
+@pytest.mark.parametrize("head_dim", [64, 16, 20])
+@pytest.mark.parametrize("seqs", [[(100, 4), (0, 1), (64, 1), (37, 16), (200, 1), (31, 2)], [(700, 1)], [(650, 5)],
+                                  [(250, 16), (380, 16)]],
+                         ids=["batch", "long-decode", "long-run", "runs-across-chunks"])
 def test_native_runs_across_tiles_match_fp64(seqs, window, softcap, head_dim, isa, force_isa):
     """Contexts of several key tiles (32 keys) and blocks of 8, windows that start inside a tile, query runs
-    of 1..16 tokens: against the attention written out per token in fp64. A lone long sequence splits its
-    keys into ranges run in parallel and merged."""
+    of 1..16 tokens: against the attention written out per token in fp64. Long sequences split their keys
+    into 256-key chunks, merged; a run across a chunk boundary has rows that see nothing of the later one."""
     force_isa(isa)
     gen = torch.Generator().manual_seed(3)
     num_blocks = sum((c + q + 7) // 8 for c, q in seqs) + 4
@@ -83,3 +85,37 @@ def test_native_runs_across_tiles_match_fp64(seqs, window, softcap, head_dim, is
     got = cpu_attention.attend(query, k_cache, v_cache, nr, head_dim ** -0.5, window, softcap)
     want = dense_reference(query, k_cache, v_cache, meta, head_dim ** -0.5, window, softcap)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _attend_at(k_cache, v_cache, query_rows, tables, lens, runs, window):
+    """Kernel output for sequences with block tables `tables`, lengths `lens` and `runs` query tokens each."""
+    q_start = torch.zeros(len(runs) + 1, dtype=torch.int32)
+    q_start[1:] = torch.tensor(runs).cumsum(0)
+    nr = cpu_attention.NativeRuns(None, tables, torch.tensor(lens, dtype=torch.int32), q_start)
+    return cpu_attention.attend(query_rows, k_cache, v_cache, nr, 0.125, window)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernels are not built")
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("head_dim", [64, 16])
+def test_a_tokens_attention_is_bit_identical_alone_among_drafts_and_in_any_batch(window, head_dim, isa, force_isa):
+    """Greedy speculation is exact only if a token's attention does not depend on how it is run: decoded
+    alone, as one of a verification run of 5, or beside 7 other sequences (which changes how the kernel
+    shares its work between threads). Positions around the 256-key chunk and 32-key tile boundaries."""
+    force_isa(isa)
+    gen = torch.Generator().manual_seed(5)
+    hkv, hq, bs = 3, 9, 16
+    k_cache, v_cache = (rand((400, bs, hkv, head_dim), torch.float32, gen, CPU) for _ in range(2))
+    table = torch.randperm(400, generator=gen)[:48].to(torch.int32)            # 768 keys
+    others = torch.randperm(400, generator=gen)[:48 * 7].to(torch.int32).view(7, 48)
+    queries = rand((768, hq, head_dim), torch.float32, gen, CPU)               # the query of each position
+    for pos in (31, 32, 255, 256, 300, 511, 512, 700):
+        alone = _attend_at(k_cache, v_cache, queries[pos:pos + 1], table[None], [pos + 1], [1], window)
+        for j in range(5):                                                      # pos as run row j of 5
+            run = _attend_at(k_cache, v_cache, queries[pos - j:pos - j + 5], table[None], [pos - j + 5], [5], window)
+            assert torch.equal(run[j], alone[0]), (pos, j)
+        tables = torch.cat([table[None], others])
+        q = torch.cat([queries[pos:pos + 1], rand((7, hq, head_dim), torch.float32, gen, CPU)])
+        batch = _attend_at(k_cache, v_cache, q, tables, [pos + 1] + [500] * 7, [1] * 8, window)
+        assert torch.equal(batch[0], alone[0]), pos

@@ -205,6 +205,28 @@ def test_tiny_model_output_identical_with_speculation(tiny_case, draft_folder, p
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("proposer", ["self-draft", "random-draft"])
+def test_drafts_cut_to_the_row_budget_keep_output_identical(tiny_case, draft_folder, proposer) -> None:
+    """With packed weights on the CPU the worker cuts drafts so a step stays within GEMM_MAX_ROWS rows; the
+    tiny model has plain weights, so the budget is set by hand: 32 sequences and 40 rows leave 8 drafts a
+    step, spread over the batch. Output stays identical, and a draft model's cut drafts (its KV written
+    for all k) stay exactly right."""
+    folder, base = tiny_case
+    prompts = (base * 4)[:32]
+    params = tiny_params(len(prompts), False)
+    opts = {"dtype": "float32", "kv_cache_memory": 0.05, "swap_space": 0}
+    if ("default", False) not in _REFERENCE:
+        _REFERENCE["default", False] = generate(LLM(folder, **opts), prompts, params)
+    llm = LLM(folder, speculative_config=proposer_config(proposer, folder, draft_folder), **opts)
+    assert llm.engine.executor.runner.spec_max_rows is None          # plain weights: no cap of its own
+    llm.engine.executor.runner.spec_max_rows = 40
+    assert generate(llm, prompts, params) == _REFERENCE["default", False]
+    st = llm.stats
+    check_acceptance(proposer, st)
+    assert st.spec_num_draft_tokens < 2 * st.spec_num_drafts, vars(st)     # k = 3, cut to about 1 each
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("proposer", ["ngram", "self-draft", "random-draft"])
 def test_batch_of_one_identical_and_logprobs_agree(tiny_case, draft_folder, proposer) -> None:
     folder, prompts = tiny_case
@@ -438,10 +460,7 @@ def test_sampled_outputs_keep_the_target_distribution(tiny_case, draft_folder) -
     samples = {}
     arms = {"plain": None, "ngram": NGRAM, "draft": {"model": draft_folder, "num_speculative_tokens": 3}}
     for arm, spec in arms.items():
-        # 8 at a time: the CPU worker cuts drafts to keep a step within GEMM_MAX_ROWS rows, and 600 at once
-        # would leave none
-        llm = LLM(folder, dtype="float32", kv_cache_memory=0.05, swap_space=0, speculative_config=spec,
-                  max_num_seqs=8)
+        llm = LLM(folder, dtype="float32", kv_cache_memory=0.05, swap_space=0, speculative_config=spec)
         outs = llm.generate([prompt] * 600, sp, use_tqdm=False)
         samples[arm] = [o.outputs[0].token_ids for o in outs]
         if spec:

@@ -55,13 +55,19 @@ typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));   // 
 
 __attribute__((always_inline)) inline v8 load8(const float* p) { return *(const v8u*)p; }
 __attribute__((always_inline)) inline void store8(float* p, v8 x) { *(v8u*)p = x; }
+// In hsum4's order, so a key's score is the same whichever of the two reduced it.
 __attribute__((always_inline)) inline float hsum(v8 x) {
-    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+    return ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
 }
 
 typedef int32_t v8i __attribute__((vector_size(32)));
 
+// Keys go by in tiles of TILE at fixed positions (multiples of TILE), and in chunks of CHUNK keys (at
+// multiples of CHUNK) whose running sums are merged at the end. Both are fixed by position alone, never by
+// the batch, the thread count or the query run, so a token's attention is bit-identical whether it is
+// decoded alone or verified among drafts, in any batch: speculation keeps greedy output exactly.
 constexpr int TILE = 32;     // keys per tile: their K/V rows (fp32) stay in L1 while every query row reads them
+constexpr int CHUNK = 256;   // keys per chunk: a long sequence's chunks run in parallel
 
 // One cache row (D entries of a token and kv head) as fp32: fp32 rows are used in place.
 __attribute__((always_inline)) inline const float* row_at(const Args& a, const void* cache, int64_t block, int off,
@@ -143,6 +149,7 @@ struct Scratch {
 };
 
 typedef float v4 __attribute__((vector_size(16)));
+typedef float v4u __attribute__((vector_size(16), aligned(4), may_alias));
 typedef int32_t v4i __attribute__((vector_size(16)));
 
 // The four horizontal sums of a, b, c, d in one vector: halves added, then two rounds of pairing.
@@ -176,7 +183,7 @@ __attribute__((always_inline)) inline void dots(const float* q, float scale, con
                 s2 += qv[c] * load8(k[t + 2] + 8 * c);
                 s3 += qv[c] * load8(k[t + 3] + 8 * c);
             }
-            *(v4*)(sc + t) = hsum4(s0, s1, s2, s3);
+            *(v4u*)(sc + t) = hsum4(s0, s1, s2, s3);
         }
         for (; t < T; ++t) {
             v8 s0 = qv[0] * load8(k[t]);
@@ -222,10 +229,10 @@ inline int first_key(const Args& a, int b) {
     return a.window > 0 && p0 - a.window + 1 > 0 ? p0 - a.window + 1 : 0;
 }
 
-// Attention of sequence b's query rows over kv head h and the keys [k_lo, k_hi): its n query tokens (the
-// last n positions of its lens[b] keys, causal among themselves) times the G query heads sharing h. Keys
-// go by in tiles of TILE; each row keeps a running max, sum and unnormalized output (online softmax) in
-// s.m, s.l, s.acc, so no score buffer grows with length, and key ranges can be merged afterwards.
+// Attention of sequence b's query rows over kv head h and the keys [k_lo, k_hi) (within one chunk): its
+// n query tokens (the last n positions of its lens[b] keys, causal among themselves) times the G query
+// heads sharing h. Each row keeps a running max, sum and unnormalized output (online softmax) in s.m,
+// s.l, s.acc, which merge() combines over chunks.
 template <int NV>
 __attribute__((always_inline)) inline void attend(const Args& a, int b, int h, int k_lo, int k_hi, Scratch& s) {
     const int G = a.Hq / a.Hkv, D = NV ? 8 * NV : a.D;
@@ -233,11 +240,12 @@ __attribute__((always_inline)) inline void attend(const Args& a, int b, int h, i
     for (int r = 0; r < R; ++r) { s.m[r] = -INFINITY; s.l[r] = 0.f; }
     memset(s.acc.data(), 0, sizeof(float) * R * D);
     const int32_t* table = a.tables + (int64_t)b * a.max_blocks;
-    for (int t0 = k_lo; t0 < k_hi; t0 += TILE) {
-        const int T = k_hi - t0 < TILE ? k_hi - t0 : TILE;
-        for (int t = 0, blk = t0 / a.bs, off = t0 % a.bs; t < T; ++t) {
-            s.kp[t] = row_at(a, a.k, table[blk], off, h, s.kbuf.data() + (int64_t)t * D);
-            s.vp[t] = row_at(a, a.v, table[blk], off, h, s.vbuf.data() + (int64_t)t * D);
+    for (int t0 = k_lo - k_lo % TILE; t0 < k_hi; t0 += TILE) {
+        // keys [ts, te) of the tile [t0, t0 + TILE) are in range; kp / vp are indexed from t0
+        const int ts = k_lo > t0 ? k_lo : t0, te = k_hi < t0 + TILE ? k_hi : t0 + TILE;
+        for (int t = ts, blk = ts / a.bs, off = ts % a.bs; t < te; ++t) {
+            s.kp[t - t0] = row_at(a, a.k, table[blk], off, h, s.kbuf.data() + (int64_t)(t - t0) * D);
+            s.vp[t - t0] = row_at(a, a.v, table[blk], off, h, s.vbuf.data() + (int64_t)(t - t0) * D);
             if (++off == a.bs) { off = 0; ++blk; }
         }
         for (int r = 0; r < R; ++r) {
@@ -245,10 +253,10 @@ __attribute__((always_inline)) inline void attend(const Args& a, int b, int h, i
             const int lo = a.window > 0 && pos - a.window + 1 > 0 ? pos - a.window + 1 : 0;
             const float* q = a.q + ((int64_t)(q0 + j) * a.Hq + (int64_t)h * G + g) * D;
             // the keys of this tile the row sees are one run: from its window's start to itself
-            const int tlo = lo > t0 ? lo - t0 : 0, thi = pos - t0 + 1 < T ? pos - t0 + 1 : T, n_keys = thi - tlo;
+            const int vlo = lo > ts ? lo : ts, vhi = pos + 1 < te ? pos + 1 : te, n_keys = vhi - vlo;
             if (n_keys <= 0) continue;
             float* sc = s.scores.data() + (int64_t)r * TILE;
-            dots<NV>(q, a.scale, s.kp.data() + tlo, n_keys, D, sc);
+            dots<NV>(q, a.scale, s.kp.data() + (vlo - t0), n_keys, D, sc);
             if (a.softcap > 0.f)
                 for (int t = 0; t < n_keys; ++t) sc[t] = tanhf(sc[t] / a.softcap) * a.softcap;
             const float mx = max_of(sc, n_keys, s.m[r]);
@@ -256,7 +264,7 @@ __attribute__((always_inline)) inline void attend(const Args& a, int b, int h, i
             const float corr = s.m[r] == -INFINITY ? 0.f : expf(s.m[r] - mx);
             s.l[r] = s.l[r] * corr + sum;
             s.m[r] = mx;
-            accumulate<NV>(s.acc.data() + (int64_t)r * D, corr, sc, s.vp.data() + tlo, n_keys, D);
+            accumulate<NV>(s.acc.data() + (int64_t)r * D, corr, sc, s.vp.data() + (vlo - t0), n_keys, D);
         }
     }
 }
@@ -296,76 +304,97 @@ inline float* out_row(const Args& a, int b, int h, int r) {
     return a.out + ((int64_t)(a.q_start[b] + r / G) * a.Hq + (int64_t)h * G + r % G) * a.D;
 }
 
-// The rows' outputs from the running sums of `parts` key ranges: [parts][rows] maxima and sums, and
-// [parts][rows][D] unnormalized outputs, each range weighted by e^(its max - the overall max).
-void merge(const Args& a, int b, int h, int R, int parts, const float* m, const float* l, const float* acc) {
-    const int D = a.D;
-    for (int r = 0; r < R; ++r) {
-        float mx = -INFINITY, total = 0.f;
-        for (int p = 0; p < parts; ++p) mx = m[p * R + r] > mx ? m[p * R + r] : mx;
-        float* out = out_row(a, b, h, r);
-        for (int i = 0; i < D; ++i) out[i] = 0.f;
-        for (int p = 0; p < parts; ++p) {
-            if (m[p * R + r] == -INFINITY) continue;           // the range held no key the row sees
-            const float w = expf(m[p * R + r] - mx);
-            total += l[p * R + r] * w;
-            const float* x = acc + ((int64_t)p * R + r) * D;
-            for (int i = 0; i < D; ++i) out[i] += x[i] * w;
-        }
-        for (int i = 0; i < D; ++i) out[i] /= total;
+// A chunk's running sums, kept for the merge: [rows] maxima, [rows] sums, [rows][D] outputs.
+struct Parts {
+    std::vector<float> m, l, acc;
+    int R = 0, D = 0;
+    void resize(int64_t parts, int rows, int d) {
+        R = rows, D = d;
+        m.resize(parts * rows), l.resize(parts * rows), acc.resize(parts * rows * d);
     }
-}
+    void keep(int64_t part, const Scratch& s, int rows) {
+        memcpy(&m[part * R], s.m.data(), sizeof(float) * rows);
+        memcpy(&l[part * R], s.l.data(), sizeof(float) * rows);
+        memcpy(&acc[part * R * D], s.acc.data(), sizeof(float) * rows * D);
+    }
+    // The outputs of sequence b's rows over kv head h from its chunks, parts first .. first + count - 1,
+    // in order: each chunk weighted by e^(its max - the overall max); a chunk with no key the row sees
+    // (max -inf) is skipped.
+    void merge_into(const Args& a, int b, int h, int64_t first, int count) const {
+        const int rows = (a.q_start[b + 1] - a.q_start[b]) * (a.Hq / a.Hkv);
+        for (int r = 0; r < rows; ++r) {
+            float mx = -INFINITY, total = 0.f;
+            for (int64_t p = first; p < first + count; ++p) mx = m[p * R + r] > mx ? m[p * R + r] : mx;
+            float* out = out_row(a, b, h, r);
+            for (int i = 0; i < D; ++i) out[i] = 0.f;
+            for (int64_t p = first; p < first + count; ++p) {
+                if (m[p * R + r] == -INFINITY) continue;
+                const float w = expf(m[p * R + r] - mx);
+                total += l[p * R + r] * w;
+                const float* x = &acc[(p * R + r) * D];
+                for (int i = 0; i < D; ++i) out[i] += x[i] * w;
+            }
+            for (int i = 0; i < D; ++i) out[i] /= total;
+        }
+    }
+};
 
-// Work items are (sequence, kv head, key range). With fewer (sequence, kv head) pairs than four per
-// thread, long contexts split their keys into ranges of whole tiles, so a single stream's 2-8 kv heads
-// still use every core; the ranges' running sums are merged at the end.
+// Chunk c of sequence b: keys [max(c * CHUNK, first), min((c + 1) * CHUNK, lens)).
+inline int chunk_lo(const Args& a, int b, int c) { return std::max(c * CHUNK, first_key(a, b)); }
+inline int chunk_hi(const Args& a, int b, int c) { return std::min((c + 1) * CHUNK, a.lens[b]); }
+
+// Work items: with at least four (sequence, kv head) pairs per thread, one pair each, its chunks in turn;
+// with fewer, one (pair, chunk) each, so a single stream's 2-8 kv heads still use every core. The chunks
+// and their merge are the same either way.
 void attend_all(const Args& a, Item item) {
-    int most = 1, longest = 1;
+    int most = 1;
     int64_t work = 0;
+    std::vector<int> chunk0(a.B), chunks(a.B);
+    std::vector<int64_t> start(a.B + 1, 0);             // sequence b's chunks are items start[b] ..
     for (int b = 0; b < a.B; ++b) {
         const int n = a.q_start[b + 1] - a.q_start[b];
         most = n > most ? n : most;
-        longest = a.lens[b] > longest ? a.lens[b] : longest;
         work += (int64_t)n * a.lens[b];
+        chunk0[b] = first_key(a, b) / CHUNK;
+        chunks[b] = (a.lens[b] - 1) / CHUNK - chunk0[b] + 1;
+        start[b + 1] = start[b] + chunks[b];
     }
     const int G = a.Hq / a.Hkv, R = most * G, pairs = a.B * a.Hkv;
     work *= (int64_t)a.Hq * a.D;
     const bool parallel = work > (1 << 15);
-    const int want = parallel ? 4 * omp_get_max_threads() : 1;     // work items wanted
-    const int parts = pairs >= want ? 1 : std::max(1, std::min((want + pairs - 1) / pairs, longest / (4 * TILE)));
-    std::vector<float> m, l, acc;
-    if (parts > 1) {
-        m.resize((size_t)pairs * parts * R);
-        l.resize(m.size());
-        acc.resize(m.size() * a.D);
-    }
+    const bool per_pair = pairs >= (parallel ? 4 * omp_get_max_threads() : 1);
+    Parts shared;                                        // per (pair, chunk), when chunks are items
+    if (!per_pair) shared.resize(start[a.B] * a.Hkv, R, a.D);
 #pragma omp parallel if (parallel)
     {
         Scratch s(R, a.D);
+        if (per_pair) {
+            Parts own;
 #pragma omp for schedule(dynamic)
-        for (int64_t w = 0; w < (int64_t)pairs * parts; ++w) {
-            const int pair = (int)(w / parts), part = (int)(w % parts), b = pair / a.Hkv, h = pair % a.Hkv;
-            const int rows = (a.q_start[b + 1] - a.q_start[b]) * G, first = first_key(a, b), L = a.lens[b];
-            const int span = (L - first + parts - 1) / parts, chunk = (span + TILE - 1) / TILE * TILE;
-            const int lo = first + part * chunk < L ? first + part * chunk : L, hi = lo + chunk < L ? lo + chunk : L;
-            item(a, b, h, lo, hi, s);
-            if (parts == 1) {
-                merge(a, b, h, rows, 1, s.m.data(), s.l.data(), s.acc.data());
-                continue;
+            for (int pair = 0; pair < pairs; ++pair) {
+                const int b = pair / a.Hkv, h = pair % a.Hkv, rows = (a.q_start[b + 1] - a.q_start[b]) * G;
+                own.resize(chunks[b], R, a.D);
+                for (int c = 0; c < chunks[b]; ++c) {
+                    item(a, b, h, chunk_lo(a, b, chunk0[b] + c), chunk_hi(a, b, chunk0[b] + c), s);
+                    own.keep(c, s, rows);
+                }
+                own.merge_into(a, b, h, 0, chunks[b]);
             }
-            const int64_t at = ((int64_t)pair * parts + part) * R;    // this pair's parts sit [part][R]
-            for (int r = 0; r < rows; ++r) {
-                m[at + r] = s.m[r];
-                l[at + r] = s.l[r];
+        } else {
+#pragma omp for schedule(dynamic)
+            for (int64_t w = 0; w < start[a.B] * a.Hkv; ++w) {
+                // item w: pair (b, h) = its sequence's chunks times kv heads, chunk c of b
+                int b = 0;
+                while (start[b + 1] * a.Hkv <= w) ++b;
+                const int64_t off = w - start[b] * a.Hkv;
+                const int h = (int)(off / chunks[b]), c = (int)(off % chunks[b]);
+                item(a, b, h, chunk_lo(a, b, chunk0[b] + c), chunk_hi(a, b, chunk0[b] + c), s);
+                shared.keep(w, s, (a.q_start[b + 1] - a.q_start[b]) * G);
             }
-            memcpy(&acc[at * a.D], s.acc.data(), sizeof(float) * rows * a.D);
-        }
-        if (parts > 1) {
 #pragma omp for schedule(static)
             for (int pair = 0; pair < pairs; ++pair) {
                 const int b = pair / a.Hkv, h = pair % a.Hkv;
-                const int64_t at = (int64_t)pair * parts * R;
-                merge(a, b, h, (a.q_start[b + 1] - a.q_start[b]) * G, parts, &m[at], &l[at], &acc[at * a.D]);
+                shared.merge_into(a, b, h, start[b] * a.Hkv + (int64_t)h * chunks[b], chunks[b]);
             }
         }
     }
@@ -380,6 +409,7 @@ int psq_paged_attention(const float* q, const void* k_cache, const void* v_cache
                         int max_blocks, const int32_t* seq_lens, const int32_t* q_start, int B, int Hq, int Hkv, int D,
                         int block_size, float scale, float* out, int window, float softcap, int isa) {
     if (Hkv <= 0 || Hq % Hkv || kv_dtype < 0 || kv_dtype > 4 || D <= 0) return -1;
+    if (B <= 0) return 0;
     const Args a{q, k_cache, v_cache, kv_dtype, tables, max_blocks, seq_lens, q_start, B, Hq, Hkv, D, block_size,
                  scale, out, window, softcap};
     attend_all(a, pick(isa, D));
