@@ -47,7 +47,7 @@ def run_waves(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], 
 
 def measure(spec: dict | None, args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(None, kv_cache_memory=1.0, swap_space=0, num_threads=args.threads, speculative_config=spec,
-              max_num_seqs=64)    # the shared row: at most 64 in flight, the queue refilling them (concurrency 64)
+              max_num_seqs=64, **({"quantization": args.quantization} if args.quantization else {}))    # the shared row: at most 64 in flight, the queue refilling them (concurrency 64)
     prompts, params = grounded_prompts(llm)
     run_waves(llm, prompts[:1], [SamplingParams(temperature=0, max_tokens=8)], 1)        # warm-up
     rows: dict[str, Any] = {}
@@ -83,6 +83,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     p.add_argument("--shared", action="store_true", help="also the shared 96-request workload at once")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quantization", default=None, help="e.g. none: the default model's weights expanded to fp32")
     p.add_argument("--speculative-config", type=json.loads, default=NGRAM, help=f"JSON (default {json.dumps(NGRAM)})")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
