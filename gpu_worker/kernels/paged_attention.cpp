@@ -126,7 +126,7 @@ __attribute__((always_inline)) inline float max_of(float* sc, int T, float m) {
     return ab > cd ? ab : cd;
 }
 
-// sc[0:T] = e^(sc - mx) (masked scores, -inf, become 0); returns their sum. sc has room for TILE.
+// sc[0:T] = e^(sc - mx); returns their sum. sc has room for TILE: the tail is padded with -inf (0 here).
 __attribute__((always_inline)) inline float exp_shifted(float* sc, int T, float mx) {
     for (int t = T; t < (T + 7) / 8 * 8; ++t) sc[t] = -INFINITY;
     v8 sum = {};
@@ -223,20 +223,28 @@ __attribute__((always_inline)) inline void accumulate(float* acc, float corr, co
     }
 }
 
-// The keys sequence b's first query token sees: from its window's start (0 without one) to lens[b].
-inline int first_key(const Args& a, int b) {
-    const int p0 = a.lens[b] - (a.q_start[b + 1] - a.q_start[b]);
-    return a.window > 0 && p0 - a.window + 1 > 0 ? p0 - a.window + 1 : 0;
+// The first key a query at position pos sees: its window's start, 0 without one.
+inline int window_start(const Args& a, int pos) {
+    return a.window > 0 && pos - a.window + 1 > 0 ? pos - a.window + 1 : 0;
+}
+
+// The first key sequence b's first query token sees.
+inline int first_key(const Args& a, int b) { return window_start(a, a.lens[b] - (a.q_start[b + 1] - a.q_start[b])); }
+
+// Where row r of sequence b and kv head h sits in q and out: query token r / G, head h * G + r % G.
+inline int64_t row_offset(const Args& a, int b, int h, int r) {
+    const int G = a.Hq / a.Hkv;
+    return ((int64_t)(a.q_start[b] + r / G) * a.Hq + (int64_t)h * G + r % G) * a.D;
 }
 
 // Attention of sequence b's query rows over kv head h and the keys [k_lo, k_hi) (within one chunk): its
 // n query tokens (the last n positions of its lens[b] keys, causal among themselves) times the G query
 // heads sharing h. Each row keeps a running max, sum and unnormalized output (online softmax) in s.m,
-// s.l, s.acc, which merge() combines over chunks.
+// s.l, s.acc, which Parts::merge_into combines over chunks.
 template <int NV>
 __attribute__((always_inline)) inline void attend(const Args& a, int b, int h, int k_lo, int k_hi, Scratch& s) {
     const int G = a.Hq / a.Hkv, D = NV ? 8 * NV : a.D;
-    const int q0 = a.q_start[b], n = a.q_start[b + 1] - q0, R = n * G, p0 = a.lens[b] - n;
+    const int n = a.q_start[b + 1] - a.q_start[b], R = n * G, p0 = a.lens[b] - n;
     for (int r = 0; r < R; ++r) { s.m[r] = -INFINITY; s.l[r] = 0.f; }
     memset(s.acc.data(), 0, sizeof(float) * R * D);
     const int32_t* table = a.tables + (int64_t)b * a.max_blocks;
@@ -249,9 +257,8 @@ __attribute__((always_inline)) inline void attend(const Args& a, int b, int h, i
             if (++off == a.bs) { off = 0; ++blk; }
         }
         for (int r = 0; r < R; ++r) {
-            const int j = r / G, g = r % G, pos = p0 + j;        // query token j at position pos
-            const int lo = a.window > 0 && pos - a.window + 1 > 0 ? pos - a.window + 1 : 0;
-            const float* q = a.q + ((int64_t)(q0 + j) * a.Hq + (int64_t)h * G + g) * D;
+            const int pos = p0 + r / G, lo = window_start(a, pos);      // query token r / G at position pos
+            const float* q = a.q + row_offset(a, b, h, r);
             // the keys of this tile the row sees are one run: from its window's start to itself
             const int vlo = lo > ts ? lo : ts, vhi = pos + 1 < te ? pos + 1 : te, n_keys = vhi - vlo;
             if (n_keys <= 0) continue;
@@ -298,12 +305,6 @@ Item pick(int isa, int D) {
 #undef PSQ_PICK
 }
 
-// Row r of sequence b and kv head h: query token r / G, head h * G + r % G.
-inline float* out_row(const Args& a, int b, int h, int r) {
-    const int G = a.Hq / a.Hkv;
-    return a.out + ((int64_t)(a.q_start[b] + r / G) * a.Hq + (int64_t)h * G + r % G) * a.D;
-}
-
 // A chunk's running sums, kept for the merge: [rows] maxima, [rows] sums, [rows][D] outputs.
 struct Parts {
     std::vector<float> m, l, acc;
@@ -325,7 +326,7 @@ struct Parts {
         for (int r = 0; r < rows; ++r) {
             float mx = -INFINITY, total = 0.f;
             for (int64_t p = first; p < first + count; ++p) mx = m[p * R + r] > mx ? m[p * R + r] : mx;
-            float* out = out_row(a, b, h, r);
+            float* out = a.out + row_offset(a, b, h, r);
             for (int i = 0; i < D; ++i) out[i] = 0.f;
             for (int64_t p = first; p < first + count; ++p) {
                 if (m[p * R + r] == -INFINITY) continue;
