@@ -46,8 +46,10 @@ def run_waves(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], 
 
 
 def measure(spec: dict | None, args: argparse.Namespace) -> dict[str, Any]:
+    # max_num_seqs 64, for the shared row: at most 64 in flight, the queue refilling them (concurrency 64)
+    quant = {"quantization": args.quantization} if args.quantization else {}
     llm = LLM(None, kv_cache_memory=1.0, swap_space=0, num_threads=args.threads, speculative_config=spec,
-              max_num_seqs=64, **({"quantization": args.quantization} if args.quantization else {}))    # the shared row: at most 64 in flight, the queue refilling them (concurrency 64)
+              max_num_seqs=64, **quant)
     prompts, params = grounded_prompts(llm)
     run_waves(llm, prompts[:1], [SamplingParams(temperature=0, max_tokens=8)], 1)        # warm-up
     rows: dict[str, Any] = {}
