@@ -68,99 +68,98 @@ __attribute__((target("avx512f,avx512bw,fma"))) inline __m512 fp8x16_avx512(__m1
     return _mm512_mul_ps(_mm512_cvtph_ps(bits), _mm512_set1_ps(256.f));
 }
 
-// The values of one run of 32 weights (k..k+31 of the row at `q`), as two float vectors.
+// A run of 32 weights (k..k+31 of the row at `q`; groups g0 for the first 16, g1 for the rest) expanded
+// into two float vectors, each w = scale * v + offset by one fused multiply-add.
+//   4-bit: by table. The 16 weights the group can hold (v = 0..15, the same FMA, so bit for bit the
+//     direct expansion's) are indexed by the values with one permute per 16; vpermps reads only an
+//     index's low 4 bits, so the low nibbles need no mask and the high ones one shift. 5 vector operations
+//     a run instead of 9 (mask, widen, convert, scale), which is most of the single-row cost.
+//   8-bit and fp8: widen, convert, scale.
 template <int BITS>
-__attribute__((target("avx512f,avx512bw,fma"))) inline void values_avx512(const uint8_t* q, int k, __m512& w0,
-                                                                          __m512& w1) {
-    if (BITS == 4) {
-        const __m128i b = _mm_loadu_si128((const __m128i*)(q + k / 2));
-        w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(15))));
-        w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15))));
-    } else if (BITS == FP8) {
+__attribute__((target("avx512f,avx512bw,fma"))) inline void weights_avx512(
+        const uint8_t* q, int k, const float* sc, const float* of, int g0, int g1, __m512& w0, __m512& w1) {
+    if constexpr (BITS == 4) {
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + k / 2)));
+        const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sc[g0]), _mm512_set1_ps(of[g0]));
+        const __m512 t1 = g1 == g0 ? t0 : _mm512_fmadd_ps(iota, _mm512_set1_ps(sc[g1]), _mm512_set1_ps(of[g1]));
+        w0 = _mm512_permutexvar_ps(b, t0);
+        w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t1);
+        return;
+    }
+    if constexpr (BITS == FP8) {
         w0 = fp8x16_avx512(_mm_loadu_si128((const __m128i*)(q + k)));
         w1 = fp8x16_avx512(_mm_loadu_si128((const __m128i*)(q + k + 16)));
     } else {
         w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k))));
         w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + k + 16))));
     }
+    w0 = _mm512_fmadd_ps(w0, _mm512_set1_ps(sc[g0]), _mm512_set1_ps(of[g0]));
+    w1 = _mm512_fmadd_ps(w1, _mm512_set1_ps(sc[g1]), _mm512_set1_ps(of[g1]));
 }
 
 // Weights k..k+31 of row n, expanded into two vectors.
 __attribute__((target("avx512f,avx512bw,fma"))) inline void expand_avx512(const Args& a, int n, int k,
                                                                           __m512& w0, __m512& w1) {
-    if (a.bits == 4) values_avx512<4>(a.q + (int64_t)n * (a.K / 2), k, w0, w1);
-    else if (a.bits == FP8) values_avx512<FP8>(a.q + (int64_t)n * a.K, k, w0, w1);
-    else values_avx512<8>(a.q + (int64_t)n * a.K, k, w0, w1);
     const float* sc = a.scale + (int64_t)n * groups(a);
     const float* of = a.offset + (int64_t)n * groups(a);
     const int g0 = k >> a.gs, g1 = (k + 16) >> a.gs;
-    w0 = _mm512_fmadd_ps(w0, _mm512_set1_ps(sc[g0]), _mm512_set1_ps(of[g0]));
-    w1 = _mm512_fmadd_ps(w1, _mm512_set1_ps(sc[g1]), _mm512_set1_ps(of[g1]));
+    if (a.bits == 4) weights_avx512<4>(a.q + (int64_t)n * (a.K / 2), k, sc, of, g0, g1, w0, w1);
+    else if (a.bits == FP8) weights_avx512<FP8>(a.q + (int64_t)n * a.K, k, sc, of, g0, g1, w0, w1);
+    else weights_avx512<8>(a.q + (int64_t)n * a.K, k, sc, of, g0, g1, w0, w1);
 }
 
-// One output row n against MT input rows: each run of 32 weights is expanded once and used by all MT.
-// Each row sums exactly as dot1_avx512 does (runs alternating between two accumulator pairs, reduced as
-// (a0 + a1) + (a2 + a3)), so a row's result does not depend on how many rows share the step: speculative
-// verification of k+1 rows must reproduce single-row decoding bit for bit.
-template <int MT>
-__attribute__((target("avx512f,avx512bw,fma"))) void row_avx512(const Args& a, int n, int m0) {
-    __m512 acc[MT][4];
-    for (int m = 0; m < MT; ++m)
-        for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_setzero_ps();
-    const float* x = a.x + (int64_t)m0 * a.K;
-    for (int k = 0; k < a.K; k += 32) {
-        __m512 w0, w1;
-        expand_avx512(a, n, k, w0, w1);
-        const int p = (k % 64 == 32) ? 2 : 0;         // odd runs feed the second pair, as in dot1_avx512
-        for (int m = 0; m < MT; ++m) {
-            acc[m][p] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + (int64_t)m * a.K + k), acc[m][p]);
-            acc[m][p + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + (int64_t)m * a.K + k + 16), acc[m][p + 1]);
-        }
+// One run of 32 weights (k..k+31 of the row at `q`) expanded once and multiplied into MT input rows,
+// whose accumulators for this run are acc[m][P], acc[m][P + 1]. The format, the group size and P are
+// compile-time, so every accumulator stays in a register (a run-time P had them spilled to the stack,
+// which made each extra row cost as much as the first).
+template <int BITS, bool G16, int MT, int P>
+__attribute__((target("avx512f,avx512bw,fma"))) inline void run_avx512(
+        const uint8_t* q, const float* sc, const float* of, const float* const* x, int k, int gs,
+        __m512 (&acc)[MT][4]) {
+    __m512 w0, w1;
+    const int g0 = k >> gs, g1 = G16 ? g0 + 1 : g0;
+    weights_avx512<BITS>(q, k, sc, of, g0, g1, w0, w1);
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) {
+        acc[m][P] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[m] + k), acc[m][P]);
+        acc[m][P + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[m] + k + 16), acc[m][P + 1]);
     }
+}
+
+// Output feature n against input rows m0..m0+MT-1. Runs alternate between two accumulator pairs (an odd
+// last run goes to the first pair) and each row reduces as (a0 + a1) + (a2 + a3), the same whatever MT:
+// a row's result does not depend on how many rows share the step, so speculative verification of k+1
+// rows reproduces single-row decoding bit for bit.
+template <int BITS, bool G16, int MT>
+__attribute__((target("avx512f,avx512bw,fma"))) void tile_avx512(const Args& a, int n, int m0) {
+    const uint8_t* q = a.q + (int64_t)n * (BITS == 4 ? a.K / 2 : a.K);   // 8-bit and fp8: a byte a value
+    const float* sc = a.scale + (int64_t)n * groups(a);
+    const float* of = a.offset + (int64_t)n * groups(a);
+    const float* x[MT];
+    __m512 acc[MT][4];
+    for (int m = 0; m < MT; ++m) {
+        x[m] = a.x + (int64_t)(m0 + m) * a.K;
+        for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_setzero_ps();
+    }
+    int k = 0;
+    for (; k + 64 <= a.K; k += 64) {
+        run_avx512<BITS, G16, MT, 0>(q, sc, of, x, k, a.gs, acc);
+        run_avx512<BITS, G16, MT, 2>(q, sc, of, x, k + 32, a.gs, acc);
+    }
+    if (k < a.K) run_avx512<BITS, G16, MT, 0>(q, sc, of, x, k, a.gs, acc);
     const float bias = a.bias ? a.bias[n] : 0.f;
     for (int m = 0; m < MT; ++m)
         a.y[(int64_t)(m0 + m) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(
             _mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]))) + bias;
 }
 
-// The single-row case (a decode step of one sequence) with the format fixed at compile time: pointers
-// walk the row, two runs per iteration feed four independent accumulators, and with groups of 32 or
-// more both halves of a run share one scale (measured 3-8% over the generic tile at M=1).
-template <int BITS, bool G16>
-__attribute__((target("avx512f,avx512bw,fma"))) inline void run1_avx512(
-        const uint8_t* q, const float* sc, const float* of, const float* x, int k, int gs, __m512& s0, __m512& s1) {
-    __m512 w0, w1;
-    values_avx512<BITS>(q, k, w0, w1);
-    const int g0 = k >> gs, g1 = G16 ? g0 + 1 : g0;
-    w0 = _mm512_fmadd_ps(w0, _mm512_set1_ps(sc[g0]), _mm512_set1_ps(of[g0]));
-    w1 = _mm512_fmadd_ps(w1, _mm512_set1_ps(sc[g1]), _mm512_set1_ps(of[g1]));
-    s0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + k), s0);
-    s1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + k + 16), s1);
-}
-
-template <int BITS, bool G16>
-__attribute__((target("avx512f,avx512bw,fma"))) float dot1_avx512(const Args& a, int n) {
-    const int gpr = groups(a);
-    const float* sc = a.scale + (int64_t)n * gpr;
-    const float* of = a.offset + (int64_t)n * gpr;
-    const uint8_t* q = a.q + (int64_t)n * (BITS == 4 ? a.K / 2 : a.K);   // 8-bit and fp8: a byte a value
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    __m512 acc2 = _mm512_setzero_ps(), acc3 = _mm512_setzero_ps();
-    int k = 0;
-    for (; k + 64 <= a.K; k += 64) {
-        run1_avx512<BITS, G16>(q, sc, of, a.x, k, a.gs, acc0, acc1);
-        run1_avx512<BITS, G16>(q, sc, of, a.x, k + 32, a.gs, acc2, acc3);
-    }
-    if (k < a.K) run1_avx512<BITS, G16>(q, sc, of, a.x, k, a.gs, acc0, acc1);
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), _mm512_add_ps(acc2, acc3)));
-}
-
-__attribute__((target("avx512f,avx512bw,fma"))) void row1_avx512(const Args& a, int n) {
+template <int MT>
+__attribute__((target("avx512f,avx512bw,fma"))) void row_avx512(const Args& a, int n, int m0) {
     const bool g16 = a.G == 16;
-    const float d = a.bits == 4     ? (g16 ? dot1_avx512<4, true>(a, n) : dot1_avx512<4, false>(a, n))
-                    : a.bits == FP8 ? (g16 ? dot1_avx512<FP8, true>(a, n) : dot1_avx512<FP8, false>(a, n))
-                                    : (g16 ? dot1_avx512<8, true>(a, n) : dot1_avx512<8, false>(a, n));
-    a.y[n] = d + (a.bias ? a.bias[n] : 0.f);
+    if (a.bits == 4) g16 ? tile_avx512<4, true, MT>(a, n, m0) : tile_avx512<4, false, MT>(a, n, m0);
+    else if (a.bits == FP8) g16 ? tile_avx512<FP8, true, MT>(a, n, m0) : tile_avx512<FP8, false, MT>(a, n, m0);
+    else g16 ? tile_avx512<8, true, MT>(a, n, m0) : tile_avx512<8, false, MT>(a, n, m0);
 }
 
 __attribute__((target("avx512f,avx512bw,fma"))) void dequant_avx512(const Args& a, int n, float* out) {
@@ -248,8 +247,7 @@ inline int tile_rows(int isa) { return isa >= 2 ? 7 : 5; }
 
 template <int MT>
 void row(const Args& a, int n, int m0, int isa) {
-    if (isa >= 2 && MT == 1 && a.M == 1) row1_avx512(a, n);
-    else if (isa >= 2) row_avx512<MT>(a, n, m0);
+    if (isa >= 2) row_avx512<MT>(a, n, m0);
     else if (isa == 1) row_avx2<MT>(a, n, m0);
     else row_portable(a, n, m0, MT);
 }
