@@ -2,7 +2,8 @@
 
 Rows (choose with --systems): hf1 (transformers generate, one at a time: the 1.0 baseline), hfstatic
 (static batches of 16), hfcb (transformers continuous batching), offline (pagedserve engine in-process),
-http (pagedserve serve at each --http-concurrency). After the table: a roofline line (fp32 GEMM ceiling vs
+http (pagedserve serve at each --http-concurrency), llamacpp (llama.cpp's llama-server on the same GGUF at
+each --http-concurrency, n/a until `python -m loadtest.llama_cpp build` has run on this machine kind). After the table: a roofline line (fp32 GEMM ceiling vs
 pagedserve's decode at batch 64) unless --no-roofline, and microbenchmarks with --micro.
 
 Systems run one after another in this process, each freeing its model before the next loads, so that no
@@ -24,7 +25,7 @@ from loadtest.report import SystemResult, format_table, with_ratios, write_json
 from loadtest.workload import (QUICK_LIMIT, QUICK_MAX_TOKENS, BenchRequest, default_workload_path, describe,
                                load_workload)
 
-ALL_SYSTEMS = ("hf1", "hfstatic", "hfcb", "offline", "http")
+ALL_SYSTEMS = ("hf1", "hfstatic", "hfcb", "offline", "http", "llamacpp")
 HF_SYSTEMS = {"hf1", "hfstatic", "hfcb"}
 
 
@@ -137,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             if r.system.startswith("http") and r.error:
                 progress(f"{r.system} n/a: {r.error}")
+    if "llamacpp" in args.systems:
+        from common.model_source import default_gguf_path
+        from loadtest import llama_cpp
+        progress(f"running llama-server at concurrency {args.http_concurrency}")
+        rows += llama_cpp.run_rows(reqs, args.http_concurrency, args.threads or torch.get_num_threads(),
+                                   default_gguf_path(), ps.WARMUP)
 
     roof: dict[str, Any] | None = None
     roof_line = ""

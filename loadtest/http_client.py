@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from loadtest.report import RequestTiming
+from loadtest.report import RequestTiming, SystemResult
 from loadtest.workload import BenchRequest
 
 
@@ -106,3 +106,24 @@ async def run_closed_loop(base_url: str, reqs: list[BenchRequest], concurrency: 
         await asyncio.gather(*(client() for _ in range(min(concurrency, len(reqs)))))
         wall = time.perf_counter() - t0
     return LoadResult(wall, [r for r in out if r is not None])
+
+
+async def http_row(name: str, url: str, reqs: list[BenchRequest], concurrency: int, warmup: BenchRequest,
+                   is_pagedserve: bool, server: str) -> SystemResult:
+    """One benchmark row: a warm-up request, then the workload by `concurrency` closed-loop clients; a
+    stream that fails its checks makes the row n/a."""
+    async with aiohttp.ClientSession() as s:
+        await stream_completion(s, url, warmup)
+    load = await run_closed_loop(url, reqs, concurrency)
+    res = SystemResult(name, wall_s=load.wall_s, timings=[r.timing for r in load.results], is_pagedserve=is_pagedserve)
+    res.notes.append(f"{server}, {concurrency} closed-loop streaming clients, /v1/completions")
+    problems = [f"{r.timing.request_id}: {p}" for r in load.results for p in r.problems]
+    if problems:
+        res.error = f"{len(problems)} stream check failures, first: {problems[0]}"
+        return res
+    chunks = sum(r.chunks for r in load.results)
+    tokens = sum(r.timing.output_tokens for r in load.results)
+    stamped = sum(len(r.timing.token_times) for r in load.results)
+    if stamped != tokens:
+        res.notes.append(f"{stamped} token chunks for {tokens} tokens ({chunks} SSE events): ITL is per chunk")
+    return res

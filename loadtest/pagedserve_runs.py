@@ -16,8 +16,8 @@ from typing import Any
 from common.output_processor import RequestTracker
 from common.protocol import EngineRequest
 from common.sampling_params import SamplingParams
-from loadtest.http_client import run_closed_loop, stream_completion
-from loadtest.report import RequestTiming, SystemResult
+from loadtest.http_client import http_row
+from loadtest.report import RequestTiming, SystemResult, short_error
 from loadtest.server import PagedServeServer
 from loadtest.workload import BenchRequest
 
@@ -118,31 +118,8 @@ def run_http(reqs: list[BenchRequest], concurrencies: list[int], threads: int | 
         name = row_name(f"http-c{c}", quantization)
         try:
             with PagedServeServer(server_flags(threads, quantization), model=model) as srv:
-                rows.append(asyncio.run(_http_row(name, srv.url, reqs, c)))
+                rows.append(asyncio.run(http_row(name, srv.url, reqs, c, WARMUP, True,
+                                                 "pagedserve serve")))
         except Exception as e:   # noqa: BLE001 - a broken server must not take the other rows down
-            rows.append(SystemResult.failed(name, _short(e), is_pagedserve=True))
+            rows.append(SystemResult.failed(name, short_error(e), is_pagedserve=True))
     return rows
-
-
-async def _http_row(name: str, url: str, reqs: list[BenchRequest], concurrency: int) -> SystemResult:
-    import aiohttp
-    async with aiohttp.ClientSession() as s:
-        await stream_completion(s, url, WARMUP)
-    load = await run_closed_loop(url, reqs, concurrency)
-    res = SystemResult(name, wall_s=load.wall_s, timings=[r.timing for r in load.results], is_pagedserve=True)
-    res.notes.append(f"pagedserve serve, {concurrency} closed-loop streaming clients, /v1/completions")
-    problems = [f"{r.timing.request_id}: {p}" for r in load.results for p in r.problems]
-    if problems:
-        res.error = f"{len(problems)} stream check failures, first: {problems[0]}"
-        return res
-    chunks = sum(r.chunks for r in load.results)
-    tokens = sum(r.timing.output_tokens for r in load.results)
-    stamped = sum(len(r.timing.token_times) for r in load.results)
-    if stamped != tokens:
-        res.notes.append(f"{stamped} token chunks for {tokens} tokens ({chunks} SSE events): ITL is per chunk")
-    return res
-
-
-def _short(e: BaseException, n: int = 300) -> str:
-    s = f"{type(e).__name__}: {e}"
-    return s if len(s) <= n else s[:n] + "..."

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 BASELINE = "hf-1"
+LLAMA_CPP = "llamacpp"    # the prefix of llama-server's rows (loadtest/llama_cpp.py)
 # The issue's floor-derived ceiling for this model on the reference machine, in output tokens/s; the
 # pagedserve rows report which fraction of it they reach.
 ISSUE_CEILING_TOK_S = 162.0
@@ -78,28 +79,37 @@ class SystemResult:
         }
 
 
+def short_error(e: BaseException, n: int = 300) -> str:
+    """An exception as an n/a row's reason."""
+    s = f"{type(e).__name__}: {e}"
+    return s if len(s) <= n else s[:n] + "..."
+
+
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else math.nan
 
 
 def with_ratios(rows: list[SystemResult]) -> list[dict[str, Any]]:
-    """Summaries plus `vs_hf1` (tok/s over the HF one-at-a-time row) and, for pagedserve rows, the fraction
-    of the issue's 162 tok/s ceiling."""
+    """Summaries plus `vs_hf1` (tok/s over the HF one-at-a-time row), `vs_llamacpp` (over llama-server's
+    best row, at whichever concurrency it did best) and, for pagedserve rows, the fraction of the issue's
+    162 tok/s ceiling."""
     sums = [r.summary() for r in rows]
     base = next((s for s in sums if s["system"] == BASELINE and "error" not in s), None)
+    llama = [s["output_tokens_per_s"] for s in sums if s["system"].startswith(LLAMA_CPP) and "error" not in s]
     for r, s in zip(rows, sums):
         if "error" in s:
             continue
         s["vs_hf1"] = s["output_tokens_per_s"] / base["output_tokens_per_s"] if base else None
+        s["vs_llamacpp"] = s["output_tokens_per_s"] / max(llama) if llama else None
         s["of_issue_ceiling"] = s["output_tokens_per_s"] / ISSUE_CEILING_TOK_S if r.is_pagedserve else None
     return sums
 
 
 _COLS = [("system", 16, "s"), ("reqs", 5, "d"), ("req/s", 7, ".2f"), ("out tok/s", 10, ".1f"),
          ("TTFT p50", 9, ".0f"), ("TTFT p99", 9, ".0f"), ("ITL p50", 8, ".1f"), ("ITL p99", 8, ".1f"),
-         ("vs hf-1", 8, ".2f"), ("of 162", 7, ".0%"), ("wall s", 8, ".1f")]
+         ("vs hf-1", 8, ".2f"), ("vs l.cpp", 8, ".2f"), ("of 162", 7, ".0%"), ("wall s", 8, ".1f")]
 _KEYS = ["system", "requests", "requests_per_s", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms",
-         "itl_p50_ms", "itl_p99_ms", "vs_hf1", "of_issue_ceiling", "wall_s"]
+         "itl_p50_ms", "itl_p99_ms", "vs_hf1", "vs_llamacpp", "of_issue_ceiling", "wall_s"]
 
 
 def format_table(sums: list[dict[str, Any]]) -> str:
@@ -120,8 +130,8 @@ def format_table(sums: list[dict[str, Any]]) -> str:
             else:
                 cells.append(f"{v:>{w}{fmt}}")
         lines.append(" ".join(cells))
-    lines.append("latencies in ms; TTFT from when each request was handed to the system; "
-                 "'of 162' = out tok/s / the issue's 162 tok/s ceiling")
+    lines.append("latencies in ms; TTFT from when each request was handed to the system; 'vs l.cpp' = out "
+                 "tok/s / llama-server's best row; 'of 162' = out tok/s / the issue's 162 tok/s ceiling")
     for s in sums:
         for n in s.get("notes") or []:
             lines.append(f"  [{s['system']}] {n}")

@@ -1,4 +1,5 @@
-"""Start and stop a `pagedserve serve` process for the benchmark, the router microbenchmark and locust checks.
+"""Start and stop a server process for the benchmark (`pagedserve serve`, llama.cpp's `llama-server`), the
+router microbenchmark and locust checks.
 
 The server runs as a child in its own process group (it starts a scheduler, worker and router of its own),
 so a server that does not shut down on SIGTERM can be killed as a whole group and never outlives the run.
@@ -30,23 +31,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class PagedServeServer:
-    """`with PagedServeServer(flags) as srv: srv.url ...` — started, ready, and always stopped."""
+class ServerProcess:
+    """`with Server(...) as srv: srv.url ...` — a server on 127.0.0.1 at a free port, started, ready (its
+    `ready_path` answers 200), and always stopped. Subclasses say how to start it (`command`)."""
+    ready_path = "/ready"
+    log_prefix = "server-bench-"
 
-    def __init__(self, engine_flags: list[str] | None = None, model: str | None = None,
-                 startup_timeout: float = 600.0, env: dict[str, str] | None = None):
+    def __init__(self, startup_timeout: float = 600.0, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "pagedserve.cli", "serve", *([model] if model else []),
-                    "--host", "127.0.0.1", "--port", str(self.port), "--shutdown-timeout", "5",
-                    "--log-level", "WARNING", *(engine_flags or [])]
+        self.cmd = self.command(self.port)
         self.startup_timeout = startup_timeout
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.ready = False
-        self.log_path = Path(tempfile.mkstemp(prefix="pagedserve-bench-", suffix=".log")[1])
+        self.log_path = Path(tempfile.mkstemp(prefix=self.log_prefix, suffix=".log")[1])
 
-    def __enter__(self) -> "PagedServeServer":
+    def command(self, port: int) -> list[str]:
+        raise NotImplementedError
+
+    def __enter__(self) -> "ServerProcess":
         self.start()
         return self
 
@@ -69,7 +73,7 @@ class PagedServeServer:
             if self.proc.poll() is not None:
                 raise ServerFailed(f"server exited with code {self.proc.returncode}: {self.log_tail()}")
             try:
-                with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
+                with urllib.request.urlopen(self.url + self.ready_path, timeout=2) as r:
                     if r.status == 200:
                         self.ready = True
                         return
@@ -106,3 +110,18 @@ class PagedServeServer:
         except OSError:
             lines = []
         return f"{lines[-1][:300] if lines else 'no output'} (log: {self.log_path})"
+
+
+class PagedServeServer(ServerProcess):
+    """`pagedserve serve` with the given engine flags."""
+    log_prefix = "pagedserve-bench-"
+
+    def __init__(self, engine_flags: list[str] | None = None, model: str | None = None,
+                 startup_timeout: float = 600.0, env: dict[str, str] | None = None):
+        self.engine_flags, self.model = engine_flags or [], model
+        super().__init__(startup_timeout, env)
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "pagedserve.cli", "serve", *([self.model] if self.model else []),
+                "--host", "127.0.0.1", "--port", str(port), "--shutdown-timeout", "5", "--log-level", "WARNING",
+                *self.engine_flags]
