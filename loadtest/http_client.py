@@ -91,12 +91,15 @@ class LoadResult:
 
 
 async def run_closed_loop(base_url: str, reqs: list[BenchRequest], concurrency: int,
-                          timeout_s: float = 3600.0) -> LoadResult:
-    """`concurrency` clients, each sending its next request (in workload order) as soon as its last ends."""
+                          timeout_s: float = 3600.0, keep_alive: bool = True) -> LoadResult:
+    """`concurrency` clients, each sending its next request (in workload order) as soon as its last ends.
+    keep_alive=False: a new connection per request (llama-server closes one after a stream, and a reused
+    one fails to send)."""
     order = iter(range(len(reqs)))
     out: list[StreamResult | None] = [None] * len(reqs)
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_read=timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    connector = aiohttp.TCPConnector(limit=0, force_close=not keep_alive)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
 
         async def client() -> None:
             for i in order:   # one shared iterator: every request is taken exactly once, in order
@@ -109,12 +112,12 @@ async def run_closed_loop(base_url: str, reqs: list[BenchRequest], concurrency: 
 
 
 async def http_row(name: str, url: str, reqs: list[BenchRequest], concurrency: int, warmup: BenchRequest,
-                   is_pagedserve: bool, server: str) -> SystemResult:
+                   is_pagedserve: bool, server: str, keep_alive: bool = True) -> SystemResult:
     """One benchmark row: a warm-up request, then the workload by `concurrency` closed-loop clients; a
     stream that fails its checks makes the row n/a."""
     async with aiohttp.ClientSession() as s:
         await stream_completion(s, url, warmup)
-    load = await run_closed_loop(url, reqs, concurrency)
+    load = await run_closed_loop(url, reqs, concurrency, keep_alive=keep_alive)
     res = SystemResult(name, wall_s=load.wall_s, timings=[r.timing for r in load.results], is_pagedserve=is_pagedserve)
     res.notes.append(f"{server}, {concurrency} closed-loop streaming clients, /v1/completions")
     problems = [f"{r.timing.request_id}: {p}" for r in load.results for p in r.problems]

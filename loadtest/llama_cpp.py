@@ -126,7 +126,8 @@ def run_rows(reqs: list[BenchRequest], concurrencies: list[int], threads: int, g
         try:
             with LlamaServer(gguf, c, ctx, threads) as srv:
                 rows.append(asyncio.run(http_row(name, srv.url, reqs, c, warmup, False,
-                                                 f"llama-server {VERSION} ({isa_tag(cpu_flags())}), {threads} threads")))
+                                                 f"llama-server {VERSION} ({isa_tag(cpu_flags())}), {threads} threads",
+                                                 keep_alive=False)))
         except Exception as e:   # noqa: BLE001 - an unbuilt or failing server is an n/a row, not the end
             rows.append(SystemResult.failed(name, short_error(e)))
     return rows
