@@ -139,11 +139,12 @@ def main(argv: list[str] | None = None) -> int:
             if r.system.startswith("http") and r.error:
                 progress(f"{r.system} n/a: {r.error}")
     if "llamacpp" in args.systems:
-        from common.model_source import default_gguf_path
         from loadtest import llama_cpp
         progress(f"running llama-server at concurrency {args.http_concurrency}")
-        rows += llama_cpp.run_rows(reqs, args.http_concurrency, args.threads or torch.get_num_threads(),
-                                   default_gguf_path(), ps.WARMUP)
+        rows += llama_cpp.run_rows(reqs, args.http_concurrency, args.threads or torch.get_num_threads(), ps.WARMUP)
+        for r in rows:
+            if r.system.startswith("llamacpp") and r.error:
+                progress(f"{r.system} n/a: {r.error}")
 
     roof: dict[str, Any] | None = None
     roof_line = ""

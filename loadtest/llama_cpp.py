@@ -1,7 +1,7 @@
 """llama.cpp's `llama-server` as a benchmark row: built once from the llama-cpp-python sdist on the package
 index, cached outside the repository, and run on the same GGUF and workload as pagedserve.
 
-    python -m loadtest.llama_cpp build      # about 15 minutes on 2 cores; later calls find the cache
+    python -m loadtest.llama_cpp build      # about 8 minutes on 2 Xeon cores; later calls find the cache
 
 The build uses the instruction sets this CPU reports (AVX2, AVX-512 and its VNNI / BF16 parts), never AMX:
 llama.cpp's AMX path died with SIGILL on our Xeon VMs (the issue's measurement), and -march=native would
@@ -98,7 +98,9 @@ def build(jobs: int | None = None) -> Path:
 
 class LlamaServer(ServerProcess):
     """llama-server on a GGUF: `slots` parallel sequences (-np) of `ctx_per_slot` tokens each, `threads`
-    threads, no prompt cache carried between requests (--cache-reuse 0, a fresh server per row)."""
+    threads. A fresh server per row, so no prompt is cached from an earlier row; within a row a slot reuses
+    the prefix its last prompt shares with the next (llama-server's `cache_prompt`, on by default), as
+    pagedserve's prefix cache does."""
     ready_path = "/health"
     log_prefix = "llama-server-bench-"
 
@@ -112,19 +114,21 @@ class LlamaServer(ServerProcess):
     def command(self, port: int) -> list[str]:
         return [str(self.bin), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(port),
                 "-t", str(self.threads), "-tb", str(self.threads), "-np", str(self.slots),
-                "-c", str(self.slots * self.ctx), "--cache-reuse", "0", "--no-webui", "--log-disable"]
+                "-c", str(self.slots * self.ctx), "--no-webui"]
 
 
-def run_rows(reqs: list[BenchRequest], concurrencies: list[int], threads: int, gguf: Path,
+def run_rows(reqs: list[BenchRequest], concurrencies: list[int], threads: int,
              warmup: BenchRequest) -> list[SystemResult]:
-    """One row per concurrency, each on a fresh llama-server with as many slots as clients, every slot
-    long enough for the workload's longest request; n/a rows when it is not built or fails."""
+    """One row per concurrency on the default GGUF, each on a fresh llama-server with as many slots as
+    clients, every slot long enough for the workload's longest request; n/a rows when it is not built, the
+    model is missing or the server fails."""
+    from common.model_source import default_gguf_path
     ctx = max(len(r.prompt_token_ids) + r.max_tokens for r in reqs + [warmup]) + 8
     rows = []
     for c in concurrencies:
         name = f"{LLAMA_CPP}-c{c}"
         try:
-            with LlamaServer(gguf, c, ctx, threads) as srv:
+            with LlamaServer(default_gguf_path(), c, ctx, threads) as srv:
                 rows.append(asyncio.run(http_row(name, srv.url, reqs, c, warmup, False,
                                                  f"llama-server {VERSION} ({isa_tag(cpu_flags())}), {threads} threads",
                                                  keep_alive=False)))

@@ -71,7 +71,7 @@ def test_a_rows_result_does_not_depend_on_the_step_size(isa, force_isa):
     force_isa(isa)
     if native.cpu_isa() < native.ISA_LEVELS[isa]:
         pytest.skip(f"this CPU has no {isa}")
-    # 96: a K with an odd run count; Q6_K: groups of 16 (the single-row path's other specialisation)
+    # 96: a K with an odd run count; Q6_K: groups of 16 (two scales a run)
     most = GEMM_MAX_ROWS[native.cpu_isa()]
     for qtype, k in ((T.Q4_1, 96), (T.Q8_0, 256), (T.Q4_K, 256), (T.Q6_K, 256)):
         pw = gguf_tensor(qtype, 24, k, seed=3).pack()
@@ -86,6 +86,8 @@ def test_four_bit_groups_of_sixteen(isa, force_isa):
     """4-bit values in groups of 16 (no GGUF type has them; an AWQ/GPTQ checkpoint may): each run of 32
     spans two groups, so the AVX-512 path expands it from two tables. Against fp64, and bit-identical
     across step sizes."""
+    if not native.available():
+        pytest.fail("the native kernels did not build; scripts/setup.sh builds them")
     force_isa(isa)
     if native.cpu_isa() < native.ISA_LEVELS[isa]:
         pytest.skip(f"this CPU has no {isa}")

@@ -22,6 +22,8 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include <algorithm>
+
 #include "fp8.h"
 
 namespace {
@@ -127,40 +129,41 @@ __attribute__((target("avx512f,avx512bw,fma"))) inline void run_avx512(
     }
 }
 
+// The bytes of feature n (its values, scales and offsets: three streams) requested ahead of use. Without
+// it the loads of a feature's weights waited behind the FMAs of the one before: 120 products at 1 row
+// took 6.2-6.4 ms, 5 rows 10.9-11.0 ms; 4 features ahead, 4.9-5.1 and 8.0-8.7 ms (2, 8 and 16 were no
+// better). Inlined: a call here makes the caller spill its accumulators, which cost all of that gain.
+constexpr int PREFETCH_AHEAD = 4;
+__attribute__((always_inline)) inline void prefetch_lines(const void* p, int bytes) {
+    const uintptr_t end = (uintptr_t)p + bytes;
+    for (uintptr_t line = (uintptr_t)p & ~(uintptr_t)63; line < end; line += 64) _mm_prefetch((const char*)line, _MM_HINT_T0);
+}
+__attribute__((always_inline)) inline void prefetch_feature(const Args& a, int n, int value_bytes) {
+    prefetch_lines(a.q + (int64_t)n * value_bytes, value_bytes);
+    prefetch_lines(a.scale + (int64_t)n * groups(a), groups(a) * 4);
+    prefetch_lines(a.offset + (int64_t)n * groups(a), groups(a) * 4);
+}
+
 // Output features n0..n1-1 against input rows m0..m0+MT-1. Run r feeds accumulator pair r % 2 and each
 // row reduces as (a0 + a1) + (a2 + a3), the same whatever MT: a row's result does not depend on how many
 // rows share the step, so speculative verification of k+1 rows reproduces single-row decoding bit for
 // bit. The features loop sits here, with the odd last run inside the K loop, so the accumulators live in
 // registers from start to end (with a tail after the K loop GCC kept a stack copy of them all, which
 // measured no slower alone), and the features ahead can be prefetched.
-// The bytes of feature n (its values, scales and offsets: three streams) requested ahead of use. Without
-// it the loads of a feature's weights waited behind the FMAs of the one before: 120 products at 1 row
-// took 6.2 ms, 5 rows 11.0 ms; 4 features ahead, 5.0 and 8.4 ms (2, 8 and 16 were no better). Inlined:
-// a call here makes the caller spill its accumulators, which cost all of that gain.
-constexpr int PREFETCH_AHEAD = 4;
-__attribute__((always_inline)) inline void prefetch_feature(const Args& a, int n, int value_bytes) {
-    const char* q = (const char*)(a.q + (int64_t)n * value_bytes);
-    for (int b = 0; b < value_bytes; b += 64) _mm_prefetch(q + b, _MM_HINT_T0);
-    const char* sc = (const char*)(a.scale + (int64_t)n * groups(a));
-    const char* of = (const char*)(a.offset + (int64_t)n * groups(a));
-    for (int b = 0; b < groups(a) * 4; b += 64) {
-        _mm_prefetch(sc + b, _MM_HINT_T0);
-        _mm_prefetch(of + b, _MM_HINT_T0);
-    }
-}
 
 template <int BITS, bool G16, int MT>
 __attribute__((target("avx512f,avx512bw,fma"))) void tile_avx512(const Args& a, int n0, int n1, int m0) {
     const float* x[MT];
     for (int m = 0; m < MT; ++m) x[m] = a.x + (int64_t)(m0 + m) * a.K;
+    const int value_bytes = BITS == 4 ? a.K / 2 : a.K;                    // 8-bit and fp8: a byte a value
     for (int n = n0; n < n1; ++n) {
-        const uint8_t* q = a.q + (int64_t)n * (BITS == 4 ? a.K / 2 : a.K);   // 8-bit and fp8: a byte a value
+        const uint8_t* q = a.q + (int64_t)n * value_bytes;
         const float* sc = a.scale + (int64_t)n * groups(a);
         const float* of = a.offset + (int64_t)n * groups(a);
         __m512 acc[MT][4];
         for (int m = 0; m < MT; ++m)
             for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_setzero_ps();
-        if (n + PREFETCH_AHEAD < a.N) prefetch_feature(a, n + PREFETCH_AHEAD, BITS == 4 ? a.K / 2 : a.K);
+        if (n + PREFETCH_AHEAD < a.N) prefetch_feature(a, n + PREFETCH_AHEAD, value_bytes);
         for (int k = 0; k < a.K; k += 64) {
             run_avx512<BITS, G16, MT, 0>(q, sc, of, x, k, a.gs, acc);
             if (k + 32 < a.K) run_avx512<BITS, G16, MT, 2>(q, sc, of, x, k + 32, a.gs, acc);
@@ -258,7 +261,8 @@ __attribute__((target("avx2,fma,f16c"))) void dequant_avx2(const Args& a, int n,
 
 // ---- dispatch --------------------------------------------------------------------------------
 // Input rows sharing one expansion of the weights: AVX-512 has 32 vector registers, room for 7 rows'
-// four accumulators and the two weight vectors; AVX2's 16 hold 5 (10 accumulators and 4 weight vectors, x read by the FMAs from memory).
+// four accumulators, the two weight vectors and the expansion's temporaries (checked in the assembly: no
+// spills in the 4- and 8-bit 7-row tiles; the fp8 one keeps one accumulator on the stack); AVX2's 16 hold 5 (10 accumulators and 4 weight vectors, x read by the FMAs from memory).
 // 5 rather than 4 measured 0.77x the time at 5 rows and 0.87x at 9 (one expansion fewer; a speculative
 // step verifies k+1 rows), the same at 1 and 4 (2-core Zen3 VM, /tmp-free harness in loadtest/qgemm_bench.py).
 inline int tile_rows(int isa) { return isa >= 2 ? 7 : 5; }
@@ -297,11 +301,13 @@ void psq_gemm(const float* x, int M, int K, const uint8_t* q, const float* scale
     const Args a{x, M, K, q, scale, offset, N, G, bits, bias, y, __builtin_ctz(G)};
     const int tile = tile_rows(isa);
     const int64_t work = (int64_t)N * K * (M < tile ? M : tile);
-    constexpr int BLOCK = 16;                 // features a call runs, each thread taking whole blocks
+    // Features a call runs: 16 (8% faster than 4 at 32 rows on 2 Xeon cores, the row tiles reusing the
+    // block's weights from cache), fewer where there would be under 4 blocks a thread to balance.
+    const int block = std::max(4, std::min(16, N / (4 * omp_get_max_threads())));
 #pragma omp parallel for schedule(static) if (work > (1 << 16))
-    for (int n0 = 0; n0 < N; n0 += BLOCK)
+    for (int n0 = 0; n0 < N; n0 += block)
         for (int m0 = 0; m0 < M; m0 += tile)
-            rows_any(a, n0, n0 + BLOCK < N ? n0 + BLOCK : N, m0, M - m0 < tile ? M - m0 : tile, isa);
+            rows_any(a, n0, n0 + block < N ? n0 + block : N, m0, M - m0 < tile ? M - m0 : tile, isa);
 }
 
 // W in fp32 [N][K] (for large steps, which hand the expanded tile to the BLAS GEMM).

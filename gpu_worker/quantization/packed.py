@@ -20,8 +20,8 @@ from gpu_worker.kernels import native
 
 # Per native ISA level, the largest step the native kernel runs (loadtest/qgemm_bench.py: where `direct` and
 # `expand+gemm` cross). AVX2 (EPYC, 2 threads): direct wins up to 28-40 rows, 40 keeps a speculative step
-# of 8 sequences x 5 rows on the kernel, so its rows stay bit-identical to plain decoding. AVX-512
-# (Xeon, results/qgemm_bench_2026-12-02_avx512.txt): wins up to 32 rows (1.12x), loses at 48. Portable:
+# of 8 sequences x 5 rows on the kernel, so its rows stay bit-identical to plain decoding. AVX-512 (Xeon,
+# loadtest/results/qgemm_bench_2026-12-02_avx512.txt): wins up to 32 rows (1.12x), loses at 48. Portable:
 # expansion wins from 1 row, but 16 keeps speculative verification bit-identical to decoding there too.
 GEMM_MAX_ROWS = {0: 16, 1: 40, 2: 32}
 FP8_BITS = 9         # q holds float8_e4m3fn bytes (the native kernel's code for them)
