@@ -118,7 +118,8 @@ async def http_row(name: str, url: str, reqs: list[BenchRequest], concurrency: i
     async with aiohttp.ClientSession() as s:
         await stream_completion(s, url, warmup)
     load = await run_closed_loop(url, reqs, concurrency, keep_alive=keep_alive)
-    res = SystemResult(name, wall_s=load.wall_s, timings=[r.timing for r in load.results], is_pagedserve=is_pagedserve)
+    res = SystemResult(name, wall_s=load.wall_s, timings=[r.timing for r in load.results],
+                       is_pagedserve=is_pagedserve)
     res.notes.append(f"{server}, {concurrency} closed-loop streaming clients, /v1/completions")
     problems = [f"{r.timing.request_id}: {p}" for r in load.results for p in r.problems]
     if problems:

@@ -127,11 +127,10 @@ def run_rows(reqs: list[BenchRequest], concurrencies: list[int], threads: int,
     rows = []
     for c in concurrencies:
         name = f"{LLAMA_CPP}-c{c}"
+        server = f"llama-server {VERSION} ({isa_tag(cpu_flags())}), {threads} threads"
         try:
             with LlamaServer(default_gguf_path(), c, ctx, threads) as srv:
-                rows.append(asyncio.run(http_row(name, srv.url, reqs, c, warmup, False,
-                                                 f"llama-server {VERSION} ({isa_tag(cpu_flags())}), {threads} threads",
-                                                 keep_alive=False)))
+                rows.append(asyncio.run(http_row(name, srv.url, reqs, c, warmup, False, server, keep_alive=False)))
         except Exception as e:   # noqa: BLE001 - an unbuilt or failing server is an n/a row, not the end
             rows.append(SystemResult.failed(name, short_error(e)))
     return rows

@@ -136,7 +136,8 @@ __attribute__((target("avx512f,avx512bw,fma"))) inline void run_avx512(
 constexpr int PREFETCH_AHEAD = 4;
 __attribute__((always_inline)) inline void prefetch_lines(const void* p, int bytes) {
     const uintptr_t end = (uintptr_t)p + bytes;
-    for (uintptr_t line = (uintptr_t)p & ~(uintptr_t)63; line < end; line += 64) _mm_prefetch((const char*)line, _MM_HINT_T0);
+    for (uintptr_t line = (uintptr_t)p & ~(uintptr_t)63; line < end; line += 64)
+        _mm_prefetch((const char*)line, _MM_HINT_T0);
 }
 __attribute__((always_inline)) inline void prefetch_feature(const Args& a, int n, int value_bytes) {
     prefetch_lines(a.q + (int64_t)n * value_bytes, value_bytes);
@@ -150,7 +151,6 @@ __attribute__((always_inline)) inline void prefetch_feature(const Args& a, int n
 // bit. The features loop sits here, with the odd last run inside the K loop, so the accumulators live in
 // registers from start to end (with a tail after the K loop GCC kept a stack copy of them all, which
 // measured no slower alone), and the features ahead can be prefetched.
-
 template <int BITS, bool G16, int MT>
 __attribute__((target("avx512f,avx512bw,fma"))) void tile_avx512(const Args& a, int n0, int n1, int m0) {
     const float* x[MT];
@@ -178,9 +178,9 @@ __attribute__((target("avx512f,avx512bw,fma"))) void tile_avx512(const Args& a, 
 template <int MT>
 __attribute__((target("avx512f,avx512bw,fma"))) void rows_avx512(const Args& a, int n0, int n1, int m0) {
     const bool g16 = a.G == 16;
-    if (a.bits == 4) g16 ? tile_avx512<4, true, MT>(a, n0, n1, m0) : tile_avx512<4, false, MT>(a, n0, n1, m0);
-    else if (a.bits == FP8) g16 ? tile_avx512<FP8, true, MT>(a, n0, n1, m0) : tile_avx512<FP8, false, MT>(a, n0, n1, m0);
-    else g16 ? tile_avx512<8, true, MT>(a, n0, n1, m0) : tile_avx512<8, false, MT>(a, n0, n1, m0);
+    if (a.bits == 4) (g16 ? tile_avx512<4, true, MT> : tile_avx512<4, false, MT>)(a, n0, n1, m0);
+    else if (a.bits == FP8) (g16 ? tile_avx512<FP8, true, MT> : tile_avx512<FP8, false, MT>)(a, n0, n1, m0);
+    else (g16 ? tile_avx512<8, true, MT> : tile_avx512<8, false, MT>)(a, n0, n1, m0);
 }
 
 __attribute__((target("avx512f,avx512bw,fma"))) void dequant_avx512(const Args& a, int n, float* out) {
@@ -262,7 +262,8 @@ __attribute__((target("avx2,fma,f16c"))) void dequant_avx2(const Args& a, int n,
 // ---- dispatch --------------------------------------------------------------------------------
 // Input rows sharing one expansion of the weights: AVX-512 has 32 vector registers, room for 7 rows'
 // four accumulators, the two weight vectors and the expansion's temporaries (checked in the assembly: no
-// spills in the 4- and 8-bit 7-row tiles; the fp8 one keeps one accumulator on the stack); AVX2's 16 hold 5 (10 accumulators and 4 weight vectors, x read by the FMAs from memory).
+// spills in the 4- and 8-bit 7-row tiles; the fp8 one keeps one accumulator on the stack); AVX2's 16
+// hold 5 (10 accumulators and 4 weight vectors, x read by the FMAs from memory).
 // 5 rather than 4 measured 0.77x the time at 5 rows and 0.87x at 9 (one expansion fewer; a speculative
 // step verifies k+1 rows), the same at 1 and 4 (2-core Zen3 VM, /tmp-free harness in loadtest/qgemm_bench.py).
 inline int tile_rows(int isa) { return isa >= 2 ? 7 : 5; }
