@@ -1,0 +1,103 @@
+"""Where a single stream's time goes: each model-runner step timed by its kind, and the packed matmuls inside.
+
+    python -m loadtest.step_profile [--speculative-config JSON] [--concurrency 1]
+
+Runs the speculative benchmark's grounded workload (loadtest/spec_workload.jsonl) in waves of
+`--concurrency` through LLM.generate, with and without the given speculative config (default: without),
+and prints, per kind of step (rows it ran: 1 = a decode, 5 = a verification of 4 drafts, "prefill" = more
+than 16 rows), the step count and median time; then the packed GEMMs' time per step, split into the
+decoder layers and the lm_head. The rest of a step is attention, norms, rope, sampling and Python. This is
+the profile behind the #8 / #16 notes: with it, a change to the hot path shows where it moved the time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+from gpu_worker import model_runner
+from gpu_worker.quantization import packed
+from loadtest.spec_bench import grounded_prompts, run_waves
+from pagedserve import LLM, SamplingParams
+
+PREFILL_ROWS = 16      # steps above this many rows count as prefills
+
+
+class StepTimer:
+    """Wraps ModelRunner.execute and PackedWeight._native_gemm for the life of the object (in-process
+    engine only), recording wall time by step kind and GEMM time by (rows, layers | lm_head)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[Any, list[float]] = defaultdict(list)
+        self.gemm: dict[tuple[int, str], float] = defaultdict(float)
+        self.gemm_calls: dict[tuple[int, str], int] = defaultdict(int)
+        self._execute, self._gemm = model_runner.ModelRunner.execute, packed.PackedWeight._native_gemm
+        timer = self
+
+        def execute(runner, sched):
+            t0 = time.perf_counter()
+            out = timer._execute(runner, sched)
+            rows = sum(r.num_new_tokens for r in sched.new_seqs) + sum(r.num_new_tokens for r in sched.cached_seqs)
+            timer.steps["prefill" if rows > PREFILL_ROWS else rows].append(time.perf_counter() - t0)
+            return out
+
+        def gemm(weight, lib, x, bias):
+            t0 = time.perf_counter()
+            y = timer._gemm(weight, lib, x, bias)
+            key = (x.shape[0], "lm_head" if weight.shape[0] == timer.vocab else "layers")
+            timer.gemm[key] += time.perf_counter() - t0
+            timer.gemm_calls[key] += 1
+            return y
+
+        self.vocab = -1
+        model_runner.ModelRunner.execute, packed.PackedWeight._native_gemm = execute, gemm
+
+    def clear(self) -> None:
+        self.steps.clear(), self.gemm.clear(), self.gemm_calls.clear()
+
+    def restore(self) -> None:
+        model_runner.ModelRunner.execute, packed.PackedWeight._native_gemm = self._execute, self._gemm
+
+    def report(self) -> str:
+        lines = []
+        for kind, ts in sorted(self.steps.items(), key=lambda kv: str(kv[0])):
+            lines.append(f"  step rows {kind!s:>7}: {len(ts):4} steps, median {statistics.median(ts) * 1e3:7.2f} ms, "
+                         f"total {sum(ts):6.2f} s")
+        for (rows, part), t in sorted(self.gemm.items()):
+            steps = len(self.steps.get(rows, [])) or 1
+            lines.append(f"  packed GEMM rows {rows:2} {part:7}: {t / steps * 1e3:6.2f} ms a step "
+                         f"({self.gemm_calls[(rows, part)]} calls)")
+        return "\n".join(lines)
+
+
+def profile(spec: dict | None, concurrency: int) -> str:
+    timer = StepTimer()
+    try:
+        llm = LLM(None, kv_cache_memory=1.0, swap_space=0, speculative_config=spec, max_num_seqs=64)
+        timer.vocab = llm.source.model_config().vocab_size
+        prompts, params = grounded_prompts(llm)
+        run_waves(llm, prompts[:1], [SamplingParams(temperature=0, max_tokens=8)], 1)     # warm-up
+        timer.clear()
+        wall, tokens = run_waves(llm, prompts, params, concurrency)
+        n = sum(len(t) for t in tokens)
+        in_steps = sum(sum(ts) for ts in timer.steps.values())
+        head = (f"{'speculative ' + json.dumps(spec) if spec else 'no speculation'}, concurrency {concurrency}: "
+                f"{n} tokens in {wall:.2f} s = {n / wall:.1f} tok/s; {in_steps:.2f} s in model-runner steps")
+        return head + "\n" + timer.report()
+    finally:
+        timer.restore()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--speculative-config", type=json.loads, default=None)
+    p.add_argument("--concurrency", type=int, default=1)
+    args = p.parse_args()
+    print(profile(args.speculative_config, args.concurrency))
+
+
+if __name__ == "__main__":
+    main()
