@@ -3,8 +3,9 @@
 Rows (choose with --systems): hf1 (transformers generate, one at a time: the 1.0 baseline), hfstatic
 (static batches of 16), hfcb (transformers continuous batching), offline (pagedserve engine in-process),
 http (pagedserve serve at each --http-concurrency), llamacpp (llama.cpp's llama-server on the same GGUF at
-each --http-concurrency, n/a until `python -m loadtest.llama_cpp build` has run on this machine kind). After the table: a roofline line (fp32 GEMM ceiling vs
-pagedserve's decode at batch 64) unless --no-roofline, and microbenchmarks with --micro.
+each --http-concurrency, n/a until `python -m loadtest.llama_cpp build` has run on this machine kind). After
+the table: a roofline line (fp32 GEMM ceiling vs pagedserve's decode at batch 64) unless --no-roofline, and
+microbenchmarks with --micro.
 
 Systems run one after another in this process, each freeing its model before the next loads, so that no
 two compete for the CPU; the machine's load average is recorded because on a shared box it moves numbers.
@@ -80,6 +81,14 @@ def run_guarded(name: str, fn: Callable[..., SystemResult], *args: Any, is_paged
     return res
 
 
+def report_failures(rows: list[SystemResult]) -> list[SystemResult]:
+    """Say at once which of a set of server rows could not run (the table comes only at the end)."""
+    for r in rows:
+        if r.error:
+            progress(f"{r.system} n/a: {r.error}")
+    return rows
+
+
 def run_hf_rows(args: argparse.Namespace, reqs: list[BenchRequest], device: str) -> list[SystemResult]:
     from loadtest import hf_baselines as hf
     wanted = [s for s in ("hf1", "hfstatic", "hfcb") if s in args.systems]
@@ -134,17 +143,12 @@ def main(argv: list[str] | None = None) -> int:
                                     is_pagedserve=True))
         if "http" in args.systems:
             progress(f"running http at concurrency {args.http_concurrency} ({quant})")
-            rows += ps.run_http(reqs, args.http_concurrency, args.threads, None, quant)
-        for r in rows:
-            if r.system.startswith("http") and r.error:
-                progress(f"{r.system} n/a: {r.error}")
+            rows += report_failures(ps.run_http(reqs, args.http_concurrency, args.threads, None, quant))
     if "llamacpp" in args.systems:
         from loadtest import llama_cpp
         progress(f"running llama-server at concurrency {args.http_concurrency}")
-        rows += llama_cpp.run_rows(reqs, args.http_concurrency, args.threads or torch.get_num_threads(), ps.WARMUP)
-        for r in rows:
-            if r.system.startswith("llamacpp") and r.error:
-                progress(f"{r.system} n/a: {r.error}")
+        threads = args.threads or torch.get_num_threads()
+        rows += report_failures(llama_cpp.run_rows(reqs, args.http_concurrency, threads, ps.WARMUP))
 
     roof: dict[str, Any] | None = None
     roof_line = ""

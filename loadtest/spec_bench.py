@@ -45,13 +45,20 @@ def run_waves(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], 
     return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
 
 
-def measure(spec: dict | None, args: argparse.Namespace) -> dict[str, Any]:
+def grounded_llm(spec: dict | None, threads: int | None = None, quantization: str | None = None):
+    """The default model's engine (with `spec`, or none), the grounded prompts and their parameters,
+    after one warm-up request."""
     # max_num_seqs 64, for the shared row: at most 64 in flight, the queue refilling them (concurrency 64)
-    quant = {"quantization": args.quantization} if args.quantization else {}
-    llm = LLM(None, kv_cache_memory=1.0, swap_space=0, num_threads=args.threads, speculative_config=spec,
+    quant = {"quantization": quantization} if quantization else {}
+    llm = LLM(None, kv_cache_memory=1.0, swap_space=0, num_threads=threads, speculative_config=spec,
               max_num_seqs=64, **quant)
     prompts, params = grounded_prompts(llm)
     run_waves(llm, prompts[:1], [SamplingParams(temperature=0, max_tokens=8)], 1)        # warm-up
+    return llm, prompts, params
+
+
+def measure(spec: dict | None, args: argparse.Namespace) -> dict[str, Any]:
+    llm, prompts, params = grounded_llm(spec, args.threads, args.quantization)
     rows: dict[str, Any] = {}
     for c in args.concurrency:
         before = _spec_counts(llm)

@@ -20,8 +20,7 @@ from typing import Any
 
 from gpu_worker import model_runner
 from gpu_worker.quantization import packed
-from loadtest.spec_bench import grounded_prompts, run_waves
-from pagedserve import LLM, SamplingParams
+from loadtest.spec_bench import grounded_llm, run_waves
 
 PREFILL_ROWS = 16      # steps above this many rows count as prefills
 
@@ -34,29 +33,29 @@ class StepTimer:
         self.steps: dict[Any, list[float]] = defaultdict(list)
         self.gemm: dict[tuple[int, str], float] = defaultdict(float)
         self.gemm_calls: dict[tuple[int, str], int] = defaultdict(int)
+        self.vocab = -1                 # the lm_head's output features, once the model is known
         self._execute, self._gemm = model_runner.ModelRunner.execute, packed.PackedWeight._native_gemm
-        timer = self
 
         def execute(runner, sched):
             t0 = time.perf_counter()
-            out = timer._execute(runner, sched)
-            rows = sum(r.num_new_tokens for r in sched.new_seqs) + sum(r.num_new_tokens for r in sched.cached_seqs)
-            timer.steps["prefill" if rows > PREFILL_ROWS else rows].append(time.perf_counter() - t0)
+            out = self._execute(runner, sched)
+            rows = sched.total_num_tokens
+            self.steps["prefill" if rows > PREFILL_ROWS else rows].append(time.perf_counter() - t0)
             return out
 
         def gemm(weight, lib, x, bias):
             t0 = time.perf_counter()
-            y = timer._gemm(weight, lib, x, bias)
-            key = (x.shape[0], "lm_head" if weight.shape[0] == timer.vocab else "layers")
-            timer.gemm[key] += time.perf_counter() - t0
-            timer.gemm_calls[key] += 1
+            y = self._gemm(weight, lib, x, bias)
+            key = (x.shape[0], "lm_head" if weight.shape[0] == self.vocab else "layers")
+            self.gemm[key] += time.perf_counter() - t0
+            self.gemm_calls[key] += 1
             return y
 
-        self.vocab = -1
         model_runner.ModelRunner.execute, packed.PackedWeight._native_gemm = execute, gemm
 
     def clear(self) -> None:
-        self.steps.clear(), self.gemm.clear(), self.gemm_calls.clear()
+        for d in (self.steps, self.gemm, self.gemm_calls):
+            d.clear()
 
     def restore(self) -> None:
         model_runner.ModelRunner.execute, packed.PackedWeight._native_gemm = self._execute, self._gemm
@@ -76,10 +75,8 @@ class StepTimer:
 def profile(spec: dict | None, concurrency: int) -> str:
     timer = StepTimer()
     try:
-        llm = LLM(None, kv_cache_memory=1.0, swap_space=0, speculative_config=spec, max_num_seqs=64)
+        llm, prompts, params = grounded_llm(spec)
         timer.vocab = llm.source.model_config().vocab_size
-        prompts, params = grounded_prompts(llm)
-        run_waves(llm, prompts[:1], [SamplingParams(temperature=0, max_tokens=8)], 1)     # warm-up
         timer.clear()
         wall, tokens = run_waves(llm, prompts, params, concurrency)
         n = sum(len(t) for t in tokens)
