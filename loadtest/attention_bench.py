@@ -1,8 +1,9 @@
 """Kernel microbenchmark: CPU paged attention, the native kernel against the torch backend's SDPA path.
 
     python -m loadtest.attention_bench [--lens 128,512,2048] [--runs 1,5,9] [--batch 1,8] [--repeats 5]
+                                       [--kv-dtype float32]
 
-SmolLM2-135M's attention shape (9 query heads over 3 kv heads of 64), an fp32 cache in blocks of 16
+SmolLM2-135M's attention shape (9 query heads over 3 kv heads of 64), a cache (fp32 unless --kv-dtype) in blocks of 16
 laid out in random order. Each row is one layer's attention for `batch` sequences of `len` keys, each
 running `run` query tokens (1: decodes; 5 and 9: verifying 4 and 8 drafted tokens). Times are medians of
 alternated repeats; the torch path is what runs without the native library (and the reference its tests
@@ -23,12 +24,12 @@ from tests.attention_cases import make_meta, rand
 HQ, HKV, D, BLOCK = 9, 3, 64, 16
 
 
-def case(length: int, run: int, batch: int):
+def case(length: int, run: int, batch: int, kv_dtype: torch.dtype = torch.float32):
     gen = torch.Generator().manual_seed(0)
     seqs = [(length - run, run)] * batch
     num_blocks = batch * (-(-length // BLOCK)) + 2
     meta = make_meta(seqs, BLOCK, num_blocks, gen, torch.device("cpu"))
-    k_cache, v_cache = (rand((num_blocks, BLOCK, HKV, D), torch.float32, gen) for _ in range(2))
+    k_cache, v_cache = (rand((num_blocks, BLOCK, HKV, D), torch.float32, gen).to(kv_dtype) for _ in range(2))
     query = rand((batch * run, HQ, D), torch.float32, gen)
     return meta, query, k_cache, v_cache
 
@@ -49,16 +50,17 @@ def main() -> None:
     p.add_argument("--runs", type=ints, default=[1, 5, 9])
     p.add_argument("--batch", type=ints, default=[1, 8])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--calls", type=int, default=30, help="layer calls per timing (a 30-layer step)")
     args = p.parse_args()
     if not native.available():
         raise SystemExit("the native kernels are not built: run scripts/setup.sh")
-    print(f"isa level {native.cpu_isa()}, {torch.get_num_threads()} threads; ms per layer call")
+    print(f"isa level {native.cpu_isa()}, {torch.get_num_threads()} threads, {args.kv_dtype} cache; ms per layer call")
     print(f"{'batch':>5} {'len':>5} {'run':>4} {'native':>8} {'torch':>8} {'native x':>9}")
     for batch in args.batch:
         for length in args.lens:
             for run in args.runs:
-                c = case(length, run, batch)
+                c = case(length, run, batch, getattr(torch, args.kv_dtype))
                 ways = {"native": TorchAttentionBackend(native=True), "torch": TorchAttentionBackend(native=False)}
                 times: dict[str, list[float]] = {w: [] for w in ways}
                 for _ in range(args.repeats):

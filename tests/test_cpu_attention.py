@@ -67,18 +67,19 @@ def test_native_decode_is_used_by_default_on_the_cpu():
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("window,softcap", [(None, None), (45, None), (40, 3.0)])
 @pytest.mark.parametrize("head_dim", [64, 16, 20])
+@pytest.mark.parametrize("block_size", [8, 32])
 @pytest.mark.parametrize("seqs", [[(100, 4), (0, 1), (64, 1), (37, 16), (200, 1), (31, 2)], [(700, 1)], [(650, 5)],
                                   [(250, 16), (380, 16)]],
                          ids=["batch", "long-decode", "long-run", "runs-across-chunks"])
-def test_native_runs_across_tiles_match_fp64(seqs, window, softcap, head_dim, isa, force_isa):
-    """Contexts of several key tiles (32 keys) and blocks of 8, windows that start inside a tile, query runs
-    of 1..16 tokens: against the attention written out per token in fp64. Long sequences split their keys
-    into 256-key chunks, merged; a run across a chunk boundary has rows that see nothing of the later one."""
+def test_native_runs_across_chunks_match_fp64(seqs, block_size, window, softcap, head_dim, isa, force_isa):
+    """Contexts of several blocks of 8 or 32, windows that start anywhere, query runs of 1..16 tokens:
+    against the attention written out per token in fp64. Long sequences split their keys into 256-key
+    chunks, merged; a run across a chunk boundary has rows that see nothing of the later one."""
     force_isa(isa)
     gen = torch.Generator().manual_seed(3)
-    num_blocks = sum((c + q + 7) // 8 for c, q in seqs) + 4
-    meta = make_meta(seqs, 8, num_blocks, gen, CPU)
-    k_cache, v_cache = (rand((num_blocks, 8, 2, head_dim), torch.float32, gen, CPU) for _ in range(2))
+    num_blocks = sum((c + q + block_size - 1) // block_size for c, q in seqs) + 4
+    meta = make_meta(seqs, block_size, num_blocks, gen, CPU)
+    k_cache, v_cache = (rand((num_blocks, block_size, 2, head_dim), torch.float32, gen, CPU) for _ in range(2))
     query = rand((sum(q for _, q in seqs), 6, head_dim), torch.float32, gen, CPU)
     nr = cpu_attention.prepare(meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.query_lens_list,
                                list(range(len(seqs))), every_row=True)
@@ -99,18 +100,21 @@ def _attend_at(k_cache, v_cache, query_rows, tables, lens, runs, window):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("head_dim", [64, 16])
-def test_a_tokens_attention_is_bit_identical_alone_among_drafts_and_in_any_batch(window, head_dim, isa, force_isa):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_tokens_attention_is_bit_identical_alone_among_drafts_and_in_any_batch(window, head_dim, kv_dtype, isa,
+                                                                                 force_isa):
     """Greedy speculation is exact only if a token's attention does not depend on how it is run: decoded
     alone, as one of a verification run of 5, or beside 7 other sequences (which changes how the kernel
-    shares its work between threads). Positions around the 256-key chunk and 32-key tile boundaries."""
+    shares its work between threads, and reads all kv heads of a key together). Positions around the
+    256-key chunk boundaries and in the middle of 4-key groups."""
     force_isa(isa)
     gen = torch.Generator().manual_seed(5)
     hkv, hq, bs = 3, 9, 16
-    k_cache, v_cache = (rand((400, bs, hkv, head_dim), torch.float32, gen, CPU) for _ in range(2))
+    k_cache, v_cache = (rand((400, bs, hkv, head_dim), torch.float32, gen, CPU).to(kv_dtype) for _ in range(2))
     table = torch.randperm(400, generator=gen)[:48].to(torch.int32)            # 768 keys
     others = torch.randperm(400, generator=gen)[:48 * 7].to(torch.int32).view(7, 48)
     queries = rand((768, hq, head_dim), torch.float32, gen, CPU)               # the query of each position
-    for pos in (31, 32, 255, 256, 300, 511, 512, 700):
+    for pos in (31, 32, 255, 256, 301, 511, 512, 702):
         alone = _attend_at(k_cache, v_cache, queries[pos:pos + 1], table[None], [pos + 1], [1], window)
         for j in range(5):                                                      # pos as run row j of 5
             run = _attend_at(k_cache, v_cache, queries[pos - j:pos - j + 5], table[None], [pos - j + 5], [5], window)

@@ -3,9 +3,9 @@
 //
 // Why a kernel of our own: in torch each such sequence gathers its blocks into a contiguous copy and
 // calls SDPA with a mask, per layer; at a handful of sequences those fixed costs outweigh the arithmetic.
-// Here each (sequence, kv head) reads its keys through the block table in place, a tile at a time,
-// converting fp32 / bf16 / fp16 / fp8 entries as it goes, and every query row of that sequence and kv
-// head (its tokens times the query heads sharing the kv head) reads the tile while it sits in L1.
+// Here each sequence reads its keys through the block table in place, a chunk of 256 at a time (fp32
+// and bf16 entries where they are, fp16 / fp8 converted as they come), and the query rows of each kv head
+// (its tokens times the query heads sharing it) read every key and value once for a group of rows.
 //
 // Layouts: q and out are fp32 [rows][Hq][D]; sequence b owns rows q_start[b] .. q_start[b + 1] - 1, its
 // last n tokens, the last at position seq_lens[b] - 1 (all are written to the cache before attention);
@@ -62,12 +62,12 @@ __attribute__((always_inline)) inline float hsum(v8 x) {
 
 typedef int32_t v8i __attribute__((vector_size(32)));
 
-// Keys go by in tiles of TILE at fixed positions (multiples of TILE), and in chunks of CHUNK keys (at
-// multiples of CHUNK) whose running sums are merged at the end. Both are fixed by position alone, never by
-// the batch, the thread count or the query run, so a token's attention is bit-identical whether it is
-// decoded alone or verified among drafts, in any batch: speculation keeps greedy output exactly.
-constexpr int TILE = 32;     // keys per tile: their K/V rows (fp32) stay in L1 while every query row reads them
+// Keys go by in chunks of CHUNK keys (at multiples of CHUNK), each a work item, whose sums are merged at
+// the end. They are fixed by position alone, never by the batch, the thread count or the query run, so a
+// token's attention is bit-identical whether it is decoded alone or verified among drafts, in any batch:
+// speculation keeps greedy output exactly.
 constexpr int CHUNK = 256;   // keys per chunk: a long sequence's chunks run in parallel
+constexpr int TILE = 32;     // keys a prefetch runs ahead
 
 // One cache row (D entries of a token and kv head) as fp32: fp32 rows are used in place.
 __attribute__((always_inline)) inline const float* row_at(const Args& a, const void* cache, int64_t block, int off,
@@ -112,7 +112,7 @@ __attribute__((always_inline)) inline v8 exp8(v8 x) {
     return p * (v8)((__builtin_convertvector(n, v8i) + 127) << 23);
 }
 
-// The largest of m and sc[0:T] (sc has room for TILE: the tail is padded).
+// The largest of m and sc[0:T] (sc has room past T: the tail is padded).
 __attribute__((always_inline)) inline float max_of(float* sc, int T, float m) {
     for (int t = T; t < (T + 7) / 8 * 8; ++t) sc[t] = -INFINITY;
     v8 mx = (v8){} + m;
@@ -126,7 +126,7 @@ __attribute__((always_inline)) inline float max_of(float* sc, int T, float m) {
     return ab > cd ? ab : cd;
 }
 
-// sc[0:T] = e^(sc - mx); returns their sum. sc has room for TILE: the tail is padded with -inf (0 here).
+// sc[0:T] = e^(sc - mx); returns their sum. sc has room past T: the tail is padded with -inf (0 here).
 __attribute__((always_inline)) inline float exp_shifted(float* sc, int T, float mx) {
     for (int t = T; t < (T + 7) / 8 * 8; ++t) sc[t] = -INFINITY;
     v8 sum = {};
@@ -139,13 +139,22 @@ __attribute__((always_inline)) inline float exp_shifted(float* sc, int T, float 
     return hsum(sum);
 }
 
+// Keys of a chunk as the kernel indexes them: from a multiple of 4 at or below its first, rounded up to fours.
+constexpr int CHUNK_KEYS = CHUNK + 8;
+// A row's scores: a chunk's keys, and the padding max_of / exp_shifted round a run up to.
+constexpr int SCORE_STRIDE = CHUNK_KEYS + 8;
+
 // Per-thread buffers, sized for the step's largest work item.
 struct Scratch {
-    std::vector<float> kbuf, vbuf, scores, acc, m, l;
-    std::vector<const float*> kp, vp;
-    Scratch(int rows, int D)
-        : kbuf((size_t)TILE * D), vbuf((size_t)TILE * D), scores((size_t)rows * TILE), acc((size_t)rows * D),
-          m(rows), l(rows), kp(TILE), vp(TILE) {}
+    std::vector<float> kbuf, vbuf, scores, acc, m, l, corr, qs, zero;
+    std::vector<const void*> kp, vp, kh, vh;    // the chunk's key and value rows: first head, a later head
+    std::vector<const float*> qp;               // per row: its pre-scaled query
+    std::vector<float*> sp, ap;                 // per row: its scores, its output
+    Scratch(int rows, int D, int heads, bool converts)       // converts: rows are converted into kbuf / vbuf
+        : kbuf(converts ? (size_t)CHUNK_KEYS * D : 0), vbuf(converts ? (size_t)CHUNK_KEYS * D : 0),
+          scores((size_t)rows * SCORE_STRIDE), acc((size_t)rows * D), m(rows), l(rows), corr(rows),
+          qs((size_t)rows * D), zero((size_t)heads * D + 16), kp(CHUNK_KEYS), vp(CHUNK_KEYS), kh(CHUNK_KEYS),
+          vh(CHUNK_KEYS), qp(rows), sp(rows), ap(rows) {}
 };
 
 typedef float v4 __attribute__((vector_size(16)));
@@ -164,63 +173,144 @@ __attribute__((always_inline)) inline v4 hsum4(v8 a8, v8 b8, v8 c8, v8 d8) {
     return __builtin_shuffle(ab, cd, first) + __builtin_shuffle(ab, cd, second);
 }
 
-// sc[t] = scale * q . k[t] for t < T. NV > 0 fixes D = 8 * NV at compile time: q (times scale) sits in
-// registers and four keys go at once (four independent sums, reduced together); NV == 0 takes any D.
-template <int NV>
-__attribute__((always_inline)) inline void dots(const float* q, float scale, const float* const* k, int T, int D,
-                                                float* sc) {
-    if (NV) {
-        constexpr int R = NV ? NV : 1;
-        v8 qv[R];
-        for (int c = 0; c < R; ++c) qv[c] = load8(q + 8 * c) * scale;
-        int t = 0;
-        for (; t + 4 <= T; t += 4) {
-            v8 s0 = qv[0] * load8(k[t]), s1 = qv[0] * load8(k[t + 1]), s2 = qv[0] * load8(k[t + 2]),
-               s3 = qv[0] * load8(k[t + 3]);
-            for (int c = 1; c < R; ++c) {
-                s0 += qv[c] * load8(k[t] + 8 * c);
-                s1 += qv[c] * load8(k[t + 1] + 8 * c);
-                s2 += qv[c] * load8(k[t + 2] + 8 * c);
-                s3 += qv[c] * load8(k[t + 3] + 8 * c);
+// Vector types of W floats: 16 (one zmm) for AVX-512, 8 (one ymm) elsewhere; bf16 rows load as W
+// uint16 and widen in registers (a bf16 is the top half of its fp32).
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint16_t h16u __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint16_t h8u __attribute__((vector_size(16), aligned(2), may_alias));
+typedef uint32_t u16 __attribute__((vector_size(64)));
+typedef uint32_t u8 __attribute__((vector_size(32)));
+
+template <int W> struct Vec;
+template <> struct Vec<8> { typedef v8 F; typedef v8u Fu; typedef h8u Hu; typedef u8 U; };
+template <> struct Vec<16> { typedef v16 F; typedef v16u Fu; typedef h16u Hu; typedef u16 U; };
+
+// W entries of a cache row from entry i: fp32 rows (KT 0, also rows converted into a buffer) or bf16 (KT 1).
+template <int W, int KT>
+__attribute__((always_inline)) inline typename Vec<W>::F ld(const void* row, int i) {
+    if (KT == 0) return *(const typename Vec<W>::Fu*)((const float*)row + i);
+    const typename Vec<W>::U u = __builtin_convertvector(*(const typename Vec<W>::Hu*)((const uint16_t*)row + i),
+                                                         typename Vec<W>::U);
+    return (typename Vec<W>::F)(u << 16);
+}
+template <int W>
+__attribute__((always_inline)) inline typename Vec<W>::F ldq(const float* p) { return *(const typename Vec<W>::Fu*)p; }
+template <int W>
+__attribute__((always_inline)) inline void stq(float* p, typename Vec<W>::F x) { *(typename Vec<W>::Fu*)p = x; }
+
+// A W-vector folded to 8 lanes (halves added), so every width reduces through hsum4 the same way.
+__attribute__((always_inline)) inline v8 fold(v8 x) { return x; }
+__attribute__((always_inline)) inline v8 fold(v16 x) {
+    return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+// sc[r][t] = q[r] . k[t] for RB rows and the keys t in [lo, hi) (lo, hi multiples of 4 from the chunk's
+// start; keys outside its range point at a zero row). Each key is read once for all RB rows; four keys go
+// at once, their sums reduced together. A key's score depends only on its q row and key, never on RB or
+// on which rows share the pass. q rows are pre-scaled; D = W * NV.
+template <int W, int NV, int KT, int RB>
+__attribute__((always_inline)) inline void dots(const float* const* q, const void* const* k, int lo, int hi,
+                                                float* const* sc) {
+    typedef typename Vec<W>::F F;
+    for (int t = lo; t < hi; t += 4) {
+        F s[RB][4];
+        {
+            const F k0 = ld<W, KT>(k[t], 0), k1 = ld<W, KT>(k[t + 1], 0), k2 = ld<W, KT>(k[t + 2], 0),
+                    k3 = ld<W, KT>(k[t + 3], 0);
+            for (int r = 0; r < RB; ++r) {
+                const F qv = ldq<W>(q[r]);
+                s[r][0] = qv * k0, s[r][1] = qv * k1, s[r][2] = qv * k2, s[r][3] = qv * k3;
             }
-            *(v4u*)(sc + t) = hsum4(s0, s1, s2, s3);
         }
-        for (; t < T; ++t) {
-            v8 s0 = qv[0] * load8(k[t]);
-            for (int c = 1; c < R; ++c) s0 += qv[c] * load8(k[t] + 8 * c);
-            sc[t] = hsum(s0);
+        for (int c = 1; c < NV; ++c) {
+            const F k0 = ld<W, KT>(k[t], W * c), k1 = ld<W, KT>(k[t + 1], W * c), k2 = ld<W, KT>(k[t + 2], W * c),
+                    k3 = ld<W, KT>(k[t + 3], W * c);
+            for (int r = 0; r < RB; ++r) {
+                const F qv = ldq<W>(q[r] + W * c);
+                s[r][0] += qv * k0, s[r][1] += qv * k1, s[r][2] += qv * k2, s[r][3] += qv * k3;
+            }
         }
-        return;
-    }
-    const int nv = D / 8;
-    for (int t = 0; t < T; ++t) {
-        v8 s0 = {};
-        for (int c = 0; c < nv; ++c) s0 += load8(q + 8 * c) * load8(k[t] + 8 * c);
-        float x = hsum(s0);
-        for (int i = nv * 8; i < D; ++i) x += q[i] * k[t][i];
-        sc[t] = x * scale;
+        for (int r = 0; r < RB; ++r)
+            *(v4u*)(sc[r] + t) = hsum4(fold(s[r][0]), fold(s[r][1]), fold(s[r][2]), fold(s[r][3]));
     }
 }
 
-// acc[0:D] = acc * corr + sum_t p[t] * v[t][0:D]
-template <int NV>
-__attribute__((always_inline)) inline void accumulate(float* acc, float corr, const float* p, const float* const* v,
-                                                      int T, int D) {
-    const int nv = NV ? NV : D / 8;
-    constexpr int R = NV ? NV : 1;
-    if (NV) {
-        v8 o[R];
-        for (int c = 0; c < R; ++c) o[c] = load8(acc + 8 * c) * corr;
-        for (int t = 0; t < T; ++t)
-            for (int c = 0; c < R; ++c) o[c] += p[t] * load8(v[t] + 8 * c);
-        for (int c = 0; c < R; ++c) store8(acc + 8 * c, o[c]);
-        return;
+// acc[r][0:D] = acc[r] * corr[r] + sum_t p[r][t] * v[t][0:D] for RB rows and t in [lo, hi): each value
+// row is read once for all RB rows; the RB output rows stay in registers. p is 0 where a row sees no key.
+template <int W, int NV, int KT, int RB>
+__attribute__((always_inline)) inline void accumulate(float* const* acc, const float* corr, const float* const* p,
+                                                      const void* const* v, int lo, int hi) {
+    typedef typename Vec<W>::F F;
+    F o[RB][NV];
+    for (int r = 0; r < RB; ++r)
+        for (int c = 0; c < NV; ++c) o[r][c] = ldq<W>(acc[r] + W * c) * corr[r];
+    for (int t = lo; t < hi; ++t)
+        for (int c = 0; c < NV; ++c) {
+            const F x = ld<W, KT>(v[t], W * c);
+            for (int r = 0; r < RB; ++r) o[r][c] += p[r][t] * x;
+        }
+    for (int r = 0; r < RB; ++r)
+        for (int c = 0; c < NV; ++c) stq<W>(acc[r] + W * c, o[r][c]);
+}
+
+// Any D (NV == 0): one row at a time, scalar tails; D % 4 == 0 is not assumed.
+template <int KT>
+__attribute__((always_inline)) inline float entry(const void* row, int i) {
+    if (KT == 0) return ((const float*)row)[i];
+    const uint32_t u = (uint32_t)((const uint16_t*)row)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+template <int KT>
+inline void dots_any(const float* q, const void* const* k, int lo, int hi, int D, float* sc) {
+    for (int t = lo; t < hi; ++t) {
+        const int nv = D / 8;
+        v8 s0 = {};
+        for (int c = 0; c < nv; ++c) s0 += load8(q + 8 * c) * ld<8, KT>(k[t], 8 * c);
+        float x = hsum(s0);
+        for (int i = nv * 8; i < D; ++i) x += q[i] * entry<KT>(k[t], i);
+        sc[t] = x;
     }
+}
+template <int KT>
+inline void accumulate_any(float* acc, float corr, const float* p, const void* const* v, int lo, int hi, int D) {
     for (int i = 0; i < D; ++i) acc[i] *= corr;
-    for (int t = 0; t < T; ++t) {
-        for (int c = 0; c < nv; ++c) store8(acc + 8 * c, load8(acc + 8 * c) + p[t] * load8(v[t] + 8 * c));
-        for (int i = nv * 8; i < D; ++i) acc[i] += p[t] * v[t][i];
-    }
+    for (int t = lo; t < hi; ++t)
+        for (int i = 0; i < D; ++i) acc[i] += p[t] * entry<KT>(v[t], i);
+}
+
+// Registers: the dot products keep RB x 4 sums, the accumulation RB x NV outputs; RB so they fit the ISA's
+// 32 (AVX-512) or 16 registers, at most 4 rows.
+template <int W, int NV> constexpr int dot_rows() { return W == 16 ? 4 : 2; }
+template <int W, int NV> constexpr int acc_rows() {
+    return NV == 0 ? 1 : std::max(1, std::min(4, ((W == 16 ? 32 : 16) - 4) / NV));
+}
+
+// dots / accumulate over rows [0, R) in groups of RB, the last group smaller. (Templates, not a lambda: a
+// lambda is a function of its own that would not inherit the caller's target ISA.)
+template <int W, int NV, int KT, int RB>
+__attribute__((always_inline)) inline void dots_rows(int R, const float* const* q, const void* const* k, int lo, int hi,
+                                                     float* const* sc) {
+    int r0 = 0;
+    for (; r0 + RB <= R; r0 += RB) dots<W, NV, KT, RB>(q + r0, k, lo, hi, sc + r0);
+    const int rest = R - r0;
+    if constexpr (RB > 3) if (rest == 3) return dots<W, NV, KT, 3>(q + r0, k, lo, hi, sc + r0);
+    if constexpr (RB > 2) if (rest == 2) return dots<W, NV, KT, 2>(q + r0, k, lo, hi, sc + r0);
+    if constexpr (RB > 1) if (rest == 1) return dots<W, NV, KT, 1>(q + r0, k, lo, hi, sc + r0);
+}
+template <int W, int NV, int KT, int RB>
+__attribute__((always_inline)) inline void accumulate_rows(int R, float* const* acc, const float* corr,
+                                                           const float* const* p, const void* const* v, int lo,
+                                                           int hi) {
+    int r0 = 0;
+    for (; r0 + RB <= R; r0 += RB) accumulate<W, NV, KT, RB>(acc + r0, corr + r0, p + r0, v, lo, hi);
+    const int rest = R - r0;
+    if constexpr (RB > 3) if (rest == 3) return accumulate<W, NV, KT, 3>(acc + r0, corr + r0, p + r0, v, lo, hi);
+    if constexpr (RB > 2) if (rest == 2) return accumulate<W, NV, KT, 2>(acc + r0, corr + r0, p + r0, v, lo, hi);
+    if constexpr (RB > 1) if (rest == 1) return accumulate<W, NV, KT, 1>(acc + r0, corr + r0, p + r0, v, lo, hi);
 }
 
 // The first key a query at position pos sees: its window's start, 0 without one.
@@ -237,64 +327,137 @@ inline int64_t row_offset(const Args& a, int b, int h, int r) {
     return ((int64_t)(a.q_start[b] + r / G) * a.Hq + (int64_t)h * G + r % G) * a.D;
 }
 
-// Attention of sequence b's query rows over kv head h and the keys [k_lo, k_hi) (within one chunk): its
-// n query tokens (the last n positions of its lens[b] keys, causal among themselves) times the G query
-// heads sharing h. Each row keeps a running max, sum and unnormalized output (online softmax) in s.m,
-// s.l, s.acc, which Parts::merge_into combines over chunks.
-template <int NV>
-__attribute__((always_inline)) inline void attend(const Args& a, int b, int h, int k_lo, int k_hi, Scratch& s) {
-    const int G = a.Hq / a.Hkv, D = NV ? 8 * NV : a.D;
-    const int n = a.q_start[b + 1] - a.q_start[b], R = n * G, p0 = a.lens[b] - n;
-    for (int r = 0; r < R; ++r) { s.m[r] = -INFINITY; s.l[r] = 0.f; }
+// Bytes of one cache entry, by kv_dtype.
+inline int entry_bytes(int kv_dtype) { return kv_dtype == 0 ? 4 : kv_dtype <= 2 ? 2 : 1; }
+
+// Asks for the K and V rows (heads [h0, h0 + nh)) of keys [t_lo, t_hi), a tile ahead of the chunk's
+// gather: the blocks sit anywhere in the cache, so the hardware prefetcher cannot follow a sequence from
+// block to block.
+inline void prefetch_tile(const Args& a, const int32_t* table, int h0, int nh, int t_lo, int t_hi) {
+    const int head = a.D * entry_bytes(a.kv_dtype), row = head * nh;
+    for (int t = t_lo, blk = t_lo / a.bs, off = t_lo % a.bs; t < t_hi; ++t) {
+        const int64_t at = (((int64_t)table[blk] * a.bs + off) * a.Hkv + h0) * head;
+        for (int line = 0; line < row; line += 64) {
+            __builtin_prefetch((const char*)a.k + at + line);
+            __builtin_prefetch((const char*)a.v + at + line);
+        }
+        if (++off == a.bs) { off = 0; ++blk; }
+    }
+}
+
+// One kv head's rows [r0, r0 + Rh) over the chunk's keys (see attend): every row's scores over the keys
+// [lo, hi) (rows in groups that share each key's load), each row's softmax over the keys it sees, then
+// the outputs (rows in groups that share each value's load).
+template <int W, int NV, int KT>
+__attribute__((always_inline)) inline void head_chunk(const Args& a, Scratch& s, const void* const* kp,
+                                                      const void* const* vp, int r0, int Rh, int G, int p0, int c0,
+                                                      int k_lo, int k_hi, int lo, int hi, int D) {
+    if constexpr (NV > 0) dots_rows<W, NV, KT, dot_rows<W, NV>()>(Rh, &s.qp[r0], kp, lo, hi, &s.sp[r0]);
+    int live = 0;
+    for (int r = r0; r < r0 + Rh; ++r) {
+        const int pos = p0 + (r - r0) / G, wlo = window_start(a, pos);      // query token (r - r0) / G
+        // the keys of this chunk the row sees are one run: from its window's start to itself
+        const int vlo = (wlo > k_lo ? wlo : k_lo) - c0, vhi = (pos + 1 < k_hi ? pos + 1 : k_hi) - c0;
+        float* sc = s.sp[r];
+        s.corr[r] = 0.f;                  // the output starts from nothing in every chunk
+        if (vhi <= vlo) {                 // sees nothing here: weights 0, max -inf (the merge skips it)
+            for (int t = lo; t < hi; ++t) sc[t] = 0.f;
+            continue;
+        }
+        ++live;
+        if constexpr (NV == 0) dots_any<KT>(s.qp[r], kp, vlo, vhi, D, sc);
+        if (a.softcap > 0.f)
+            for (int t = vlo; t < vhi; ++t) sc[t] = tanhf(sc[t] / a.softcap) * a.softcap;
+        s.m[r] = max_of(sc + vlo, vhi - vlo, -INFINITY);
+        s.l[r] = exp_shifted(sc + vlo, vhi - vlo, s.m[r]);
+        for (int t = lo; t < vlo; ++t) sc[t] = 0.f;
+        for (int t = vhi; t < hi; ++t) sc[t] = 0.f;
+    }
+    if (!live) return;
+    if constexpr (NV > 0)
+        accumulate_rows<W, NV, KT, acc_rows<W, NV>()>(Rh, &s.ap[r0], &s.corr[r0], &s.sp[r0], vp, lo, hi);
+    else
+        for (int r = r0; r < r0 + Rh; ++r) accumulate_any<KT>(s.ap[r], s.corr[r], s.sp[r], vp, lo, hi, D);
+}
+
+// Attention of sequence b's query rows over kv heads [h0, h0 + nh) and the keys [k_lo, k_hi) of one
+// chunk: per head, its n query tokens (the last n positions of its lens[b] keys, causal among
+// themselves) times the G query heads sharing it; row hh * n * G + r is head h0 + hh's row r. Each row
+// leaves its max, sum and unnormalized output over the chunk in s.m, s.l, s.acc, which Parts::merge_into
+// combines over chunks. The chunk's scores are all taken before its softmax, so each row needs one max
+// and one exponential pass per chunk. A row's arithmetic is the same in any group, any query run and any
+// head range, so a token's attention is bit-identical decoded alone or verified among drafts.
+// nh > 1 only for caches read in place (fp32, bf16): a key's heads are one contiguous entry, read together.
+template <int W, int NV, int KT>
+__attribute__((always_inline)) inline void attend(const Args& a, int b, int h0, int nh, int k_lo, int k_hi,
+                                                  Scratch& s) {
+    const int G = a.Hq / a.Hkv, D = NV ? W * NV : a.D;
+    const int n = a.q_start[b + 1] - a.q_start[b], Rh = n * G, R = nh * Rh, p0 = a.lens[b] - n;
+    for (int r = 0; r < R; ++r) {
+        s.m[r] = -INFINITY, s.l[r] = 0.f;
+        const float* q = a.q + row_offset(a, b, h0 + r / Rh, r % Rh);
+        for (int i = 0; i < D; ++i) s.qs[(int64_t)r * D + i] = q[i] * a.scale;
+        s.qp[r] = s.qs.data() + (int64_t)r * D;
+        s.sp[r] = s.scores.data() + (int64_t)r * SCORE_STRIDE;
+        s.ap[r] = s.acc.data() + (int64_t)r * D;
+    }
     memset(s.acc.data(), 0, sizeof(float) * R * D);
     const int32_t* table = a.tables + (int64_t)b * a.max_blocks;
-    for (int t0 = k_lo - k_lo % TILE; t0 < k_hi; t0 += TILE) {
-        // keys [ts, te) of the tile [t0, t0 + TILE) are in range; kp / vp are indexed from t0
-        const int ts = k_lo > t0 ? k_lo : t0, te = k_hi < t0 + TILE ? k_hi : t0 + TILE;
-        for (int t = ts, blk = ts / a.bs, off = ts % a.bs; t < te; ++t) {
-            s.kp[t - t0] = row_at(a, a.k, table[blk], off, h, s.kbuf.data() + (int64_t)(t - t0) * D);
-            s.vp[t - t0] = row_at(a, a.v, table[blk], off, h, s.vbuf.data() + (int64_t)(t - t0) * D);
-            if (++off == a.bs) { off = 0; ++blk; }
+    const bool in_place = a.kv_dtype == KT;       // fp32 or bf16 rows are read where they are
+    const int64_t head_bytes = (int64_t)a.D * (KT ? 2 : 4);
+    // kp / vp / scores are indexed from c0; [lo, hi) is [k_lo, k_hi) rounded out to fours (the extra keys
+    // read a zero row)
+    const int c0 = k_lo & ~3, lo = 0, hi = (k_hi - c0 + 3) & ~3;
+    for (int t = lo; t < hi; ++t) s.kp[t] = s.vp[t] = s.zero.data();
+    prefetch_tile(a, table, h0, nh, k_lo, std::min(k_hi, k_lo + TILE));
+    for (int t = k_lo, blk = k_lo / a.bs, off = k_lo % a.bs; t < k_hi; ++t) {
+        const int64_t at = ((int64_t)table[blk] * a.bs + off) * a.Hkv + h0;
+        if (in_place) {
+            s.kp[t - c0] = (const char*)a.k + at * head_bytes;
+            s.vp[t - c0] = (const char*)a.v + at * head_bytes;
+            if ((t - k_lo) % TILE == 0) prefetch_tile(a, table, h0, nh, t + TILE, std::min(k_hi, t + 2 * TILE));
+        } else {
+            s.kp[t - c0] = row_at(a, a.k, table[blk], off, h0, s.kbuf.data() + (int64_t)(t - c0) * D);
+            s.vp[t - c0] = row_at(a, a.v, table[blk], off, h0, s.vbuf.data() + (int64_t)(t - c0) * D);
         }
-        for (int r = 0; r < R; ++r) {
-            const int pos = p0 + r / G, lo = window_start(a, pos);      // query token r / G at position pos
-            const float* q = a.q + row_offset(a, b, h, r);
-            // the keys of this tile the row sees are one run: from its window's start to itself
-            const int vlo = lo > ts ? lo : ts, vhi = pos + 1 < te ? pos + 1 : te, n_keys = vhi - vlo;
-            if (n_keys <= 0) continue;
-            float* sc = s.scores.data() + (int64_t)r * TILE;
-            dots<NV>(q, a.scale, s.kp.data() + (vlo - t0), n_keys, D, sc);
-            if (a.softcap > 0.f)
-                for (int t = 0; t < n_keys; ++t) sc[t] = tanhf(sc[t] / a.softcap) * a.softcap;
-            const float mx = max_of(sc, n_keys, s.m[r]);
-            const float sum = exp_shifted(sc, n_keys, mx);
-            const float corr = s.m[r] == -INFINITY ? 0.f : expf(s.m[r] - mx);
-            s.l[r] = s.l[r] * corr + sum;
-            s.m[r] = mx;
-            accumulate<NV>(s.acc.data() + (int64_t)r * D, corr, sc, s.vp.data() + (vlo - t0), n_keys, D);
+        if (++off == a.bs) { off = 0; ++blk; }
+    }
+    for (int hh = 0; hh < nh; ++hh) {
+        const void* const* kp = s.kp.data();
+        const void* const* vp = s.vp.data();
+        if (hh > 0) {             // head h0 + hh: the same entries, hh heads further (zero rows stay zero)
+            for (int t = lo; t < hi; ++t) {
+                s.kh[t] = (const char*)s.kp[t] + hh * head_bytes;
+                s.vh[t] = (const char*)s.vp[t] + hh * head_bytes;
+            }
+            kp = s.kh.data(), vp = s.vh.data();
         }
+        head_chunk<W, NV, KT>(a, s, kp, vp, hh * Rh, Rh, G, p0, c0, k_lo, k_hi, lo, hi, D);
     }
 }
 
 // The per-ISA entry of one work item. The ISA must be on this function, not on a caller: the body of an
 // `omp parallel` region is outlined into a function of its own, which would not inherit the target.
-using Item = void (*)(const Args&, int, int, int, int, Scratch&);
-template <int NV>
-__attribute__((target("avx512f,avx512bw,fma"))) void item_avx512(const Args& a, int b, int h, int lo, int hi,
-                                                                 Scratch& s) {
-    attend<NV>(a, b, h, lo, hi, s);
+using Item = void (*)(const Args&, int, int, int, int, int, Scratch&);
+template <int NV, int KT>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void item_avx512(const Args& a, int b, int h0, int nh,
+                                                                          int lo, int hi, Scratch& s) {
+    attend<16, NV, KT>(a, b, h0, nh, lo, hi, s);
 }
-template <int NV>
-__attribute__((target("avx2,fma"))) void item_avx2(const Args& a, int b, int h, int lo, int hi, Scratch& s) {
-    attend<NV>(a, b, h, lo, hi, s);
+template <int NV, int KT>
+__attribute__((target("avx2,fma"))) void item_avx2(const Args& a, int b, int h0, int nh, int lo, int hi, Scratch& s) {
+    attend<8, NV, KT>(a, b, h0, nh, lo, hi, s);
 }
-template <int NV>
-void item_portable(const Args& a, int b, int h, int lo, int hi, Scratch& s) { attend<NV>(a, b, h, lo, hi, s); }
+template <int NV, int KT>
+void item_portable(const Args& a, int b, int h0, int nh, int lo, int hi, Scratch& s) {
+    attend<8, NV, KT>(a, b, h0, nh, lo, hi, s);
+}
 
 // Head sizes of the models we serve get a compile-time D (registers, unrolled loops); any other D runs
-// the generic loops.
-Item pick(int isa, int D) {
-#define PSQ_PICK(NV) (isa >= 2 ? item_avx512<NV> : isa == 1 ? item_avx2<NV> : item_portable<NV>)
+// the generic loops. NV counts 8-float vectors here; AVX-512 takes half as many of 16.
+template <int KT>
+Item pick_kt(int isa, int D) {
+#define PSQ_PICK(NV) (isa >= 2 ? item_avx512<(NV) / 2, KT> : isa == 1 ? item_avx2<NV, KT> : item_portable<NV, KT>)
     switch (D) {
         case 64: return PSQ_PICK(8);
         case 128: return PSQ_PICK(16);
@@ -304,6 +467,7 @@ Item pick(int isa, int D) {
     }
 #undef PSQ_PICK
 }
+Item pick(int isa, int D, int kv_dtype) { return kv_dtype == 1 ? pick_kt<1>(isa, D) : pick_kt<0>(isa, D); }
 
 // A chunk's running sums, kept for the merge: [rows] maxima, [rows] sums, [rows][D] outputs.
 struct Parts {
@@ -318,21 +482,22 @@ struct Parts {
         memcpy(&l[part * R], s.l.data(), sizeof(float) * rows);
         memcpy(&acc[part * R * D], s.acc.data(), sizeof(float) * rows * D);
     }
-    // The outputs of sequence b's rows over kv head h from its chunks, parts first .. first + count - 1,
-    // in order: each chunk weighted by e^(its max - the overall max); a chunk with no key the row sees
-    // (max -inf) is skipped.
-    void merge_into(const Args& a, int b, int h, int64_t first, int count) const {
+    // The outputs of sequence b's rows over kv head h (kept from row `base` of each part) from its chunks,
+    // parts first .. first + count - 1, in order: each chunk weighted by e^(its max - the overall max); a
+    // chunk with no key the row sees (max -inf) is skipped.
+    void merge_into(const Args& a, int b, int h, int base, int64_t first, int count) const {
         const int rows = (a.q_start[b + 1] - a.q_start[b]) * (a.Hq / a.Hkv);
         for (int r = 0; r < rows; ++r) {
             float mx = -INFINITY, total = 0.f;
-            for (int64_t p = first; p < first + count; ++p) mx = m[p * R + r] > mx ? m[p * R + r] : mx;
+            const int64_t at = base + r;
+            for (int64_t p = first; p < first + count; ++p) mx = m[p * R + at] > mx ? m[p * R + at] : mx;
             float* out = a.out + row_offset(a, b, h, r);
             for (int i = 0; i < D; ++i) out[i] = 0.f;
             for (int64_t p = first; p < first + count; ++p) {
-                if (m[p * R + r] == -INFINITY) continue;
-                const float w = expf(m[p * R + r] - mx);
-                total += l[p * R + r] * w;
-                const float* x = &acc[(p * R + r) * D];
+                if (m[p * R + at] == -INFINITY) continue;
+                const float w = expf(m[p * R + at] - mx);
+                total += l[p * R + at] * w;
+                const float* x = &acc[(p * R + at) * D];
                 for (int i = 0; i < D; ++i) out[i] += x[i] * w;
             }
             for (int i = 0; i < D; ++i) out[i] /= total;
@@ -344,9 +509,11 @@ struct Parts {
 inline int chunk_lo(const Args& a, int b, int c) { return std::max(c * CHUNK, first_key(a, b)); }
 inline int chunk_hi(const Args& a, int b, int c) { return std::min((c + 1) * CHUNK, a.lens[b]); }
 
-// Work items: with at least four (sequence, kv head) pairs per thread, one pair each, its chunks in turn;
-// with fewer, one (pair, chunk) each, so a single stream's 2-8 kv heads still use every core. The chunks
-// and their merge are the same either way.
+// Work items: with at least four (sequence, kv head) pairs per thread, one sequence each, its chunks in
+// turn, every kv head of a key read together (caches read in place: a key's heads are one contiguous
+// entry, which streams from memory far better than one head's slice of it; other caches one pair each);
+// with fewer pairs, one (pair, chunk) each, so a single stream's 2-8 kv heads still use every core. The
+// chunks and their merge are the same either way.
 void attend_all(const Args& a, Item item) {
     int most = 1;
     int64_t work = 0;
@@ -360,26 +527,28 @@ void attend_all(const Args& a, Item item) {
         chunks[b] = (a.lens[b] - 1) / CHUNK - chunk0[b] + 1;
         start[b + 1] = start[b] + chunks[b];
     }
-    const int G = a.Hq / a.Hkv, R = most * G, pairs = a.B * a.Hkv;
+    const int G = a.Hq / a.Hkv, pairs = a.B * a.Hkv;
     work *= (int64_t)a.Hq * a.D;
     const bool parallel = work > (1 << 15);
     const bool per_pair = pairs >= (parallel ? 4 * omp_get_max_threads() : 1);
+    const int nh = per_pair && a.kv_dtype <= 1 ? a.Hkv : 1, groups = a.Hkv / nh;   // kv heads per item
+    const int R = most * G * nh;
     Parts shared;                                        // per (pair, chunk), when chunks are items
     if (!per_pair) shared.resize(start[a.B] * a.Hkv, R, a.D);
 #pragma omp parallel if (parallel)
     {
-        Scratch s(R, a.D);
+        Scratch s(R, a.D, nh, a.kv_dtype > 1);
         if (per_pair) {
             Parts own;
 #pragma omp for schedule(dynamic)
-            for (int pair = 0; pair < pairs; ++pair) {
-                const int b = pair / a.Hkv, h = pair % a.Hkv, rows = (a.q_start[b + 1] - a.q_start[b]) * G;
+            for (int it = 0; it < a.B * groups; ++it) {
+                const int b = it / groups, h0 = it % groups * nh, rows = (a.q_start[b + 1] - a.q_start[b]) * G;
                 own.resize(chunks[b], R, a.D);
                 for (int c = 0; c < chunks[b]; ++c) {
-                    item(a, b, h, chunk_lo(a, b, chunk0[b] + c), chunk_hi(a, b, chunk0[b] + c), s);
-                    own.keep(c, s, rows);
+                    item(a, b, h0, nh, chunk_lo(a, b, chunk0[b] + c), chunk_hi(a, b, chunk0[b] + c), s);
+                    own.keep(c, s, rows * nh);
                 }
-                own.merge_into(a, b, h, 0, chunks[b]);
+                for (int hh = 0; hh < nh; ++hh) own.merge_into(a, b, h0 + hh, hh * rows, 0, chunks[b]);
             }
         } else {
 #pragma omp for schedule(dynamic)
@@ -389,13 +558,13 @@ void attend_all(const Args& a, Item item) {
                 while (start[b + 1] * a.Hkv <= w) ++b;
                 const int64_t off = w - start[b] * a.Hkv;
                 const int h = (int)(off / chunks[b]), c = (int)(off % chunks[b]);
-                item(a, b, h, chunk_lo(a, b, chunk0[b] + c), chunk_hi(a, b, chunk0[b] + c), s);
+                item(a, b, h, 1, chunk_lo(a, b, chunk0[b] + c), chunk_hi(a, b, chunk0[b] + c), s);
                 shared.keep(w, s, (a.q_start[b + 1] - a.q_start[b]) * G);
             }
 #pragma omp for schedule(static)
             for (int pair = 0; pair < pairs; ++pair) {
                 const int b = pair / a.Hkv, h = pair % a.Hkv;
-                shared.merge_into(a, b, h, start[b] * a.Hkv + (int64_t)h * chunks[b], chunks[b]);
+                shared.merge_into(a, b, h, 0, start[b] * a.Hkv + (int64_t)h * chunks[b], chunks[b]);
             }
         }
     }
@@ -413,7 +582,7 @@ int psq_paged_attention(const float* q, const void* k_cache, const void* v_cache
     if (B <= 0) return 0;
     const Args a{q, k_cache, v_cache, kv_dtype, tables, max_blocks, seq_lens, q_start, B, Hq, Hkv, D, block_size,
                  scale, out, window, softcap};
-    attend_all(a, pick(isa, D));
+    attend_all(a, pick(isa, D, kv_dtype));
     return 0;
 }
 
