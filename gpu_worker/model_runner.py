@@ -18,6 +18,7 @@ from common.model_source import ModelSource
 from common.protocol import Logprob, ModelRunnerOutput, NewSequenceData, SchedulerOutput, WorkerInfo
 from common.sampling_params import SamplingParams
 from common.speculative import SpeculativeConfig
+from gpu_worker import cpu_precision
 from gpu_worker.attention import (FP8_DTYPES, allocate_kv_cache, get_backend, index_copy_rows, kv_block_bytes,
                                   resolve_kv_cache_dtype)
 from gpu_worker.kernels import native
@@ -60,14 +61,16 @@ class ModelRunner:
         self.model_config: ModelConfig = self.source.model_config()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self.max_model_len = min(config.max_model_len or self.model_config.max_context, self.model_config.max_context)
         torch.manual_seed(config.seed)
+        self.matmul_dtype = cpu_precision.matmul_dtype(config.dtype, self.device)
+        # auto: the model's dtype, or bf16 with bf16 matmuls (half the bytes each attention reads)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.matmul_dtype or self.dtype)
         t0 = time.perf_counter()
         self.model = load_model(self.source, self.model_config, self.dtype, self.device, self.max_model_len,
-                                config.quantization, config.load_format)
+                                config.quantization, config.load_format, self.matmul_dtype)
         log.info("loaded %s (%s, %s) in %.1fs", self.source.name, self.model_config.arch, self.dtype,
                  time.perf_counter() - t0)
         self.lora = LoRAManager(self.model, self.model_config.num_layers, config.max_loras, config.max_lora_rank,

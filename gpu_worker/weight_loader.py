@@ -14,6 +14,7 @@ from common.config import LOAD_FORMATS
 from common.model_config import ModelConfig
 from common.model_source import ModelSource
 from gpu_worker.gguf_tensors import iter_gguf
+from gpu_worker.layers.linear import Linear
 from gpu_worker.quantization import resolve_quantization, set_linear_method
 from gpu_worker.quantization.checkpoint import CheckpointFormat, read_checkpoint_format
 from gpu_worker.quantization.packed import QuantizedTensor
@@ -81,9 +82,11 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def load_model(source: ModelSource, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int, quantization: str, load_format: str) -> torch.nn.Module:
+               max_positions: int, quantization: str, load_format: str,
+               matmul_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Build the model on `device`, choose its Linear method and fill its weights: the target and a
-    draft model are made the same way."""
+    draft model are made the same way. `matmul_dtype` (gpu_worker/cpu_precision.py): the dtype every
+    Linear's matmuls run in, where it is not `dtype`."""
     from gpu_worker.models import build_model
     fmt = read_checkpoint_format(source.quantization_config())
     method = resolve_quantization(quantization, "gguf" if source.kind == "gguf" else fmt and fmt.method)
@@ -91,6 +94,10 @@ def load_model(source: ModelSource, model_config: ModelConfig, dtype: torch.dtyp
         model = build_model(model_config, dtype, max_positions)
         set_linear_method(model, method)
         load_weights(model, source, load_format, keep_quantized=method == "gguf", fmt=fmt)
+        if matmul_dtype is not None and matmul_dtype != dtype:
+            for m in model.modules():
+                if isinstance(m, Linear):
+                    m.method.use_matmul_dtype(m, matmul_dtype)
     log.info("model weights resident: %.1f MiB (%s)", weight_bytes(model) / (1 << 20), method)
     return model.eval()
 

@@ -4,8 +4,8 @@ Rows (choose with --systems): hf1 (transformers generate, one at a time: the 1.0
 (static batches of 16), hfcb (transformers continuous batching), offline (pagedserve engine in-process),
 http (pagedserve serve at each --http-concurrency), llamacpp (llama.cpp's llama-server on the same GGUF at
 each --http-concurrency, n/a until `python -m loadtest.llama_cpp build` has run on this machine kind). After
-the table: a roofline line (fp32 GEMM ceiling vs pagedserve's decode at batch 64) unless --no-roofline, and
-microbenchmarks with --micro.
+the table: a roofline line (the GEMM ceiling vs pagedserve's decode at batch 64) unless --no-roofline, the
+fast modes' quality against fp32 (loadtest/quality.py) unless --no-quality, and microbenchmarks with --micro.
 
 Systems run one after another in this process, each freeing its model before the next loads, so that no
 two compete for the CPU; the machine's load average is recorded because on a shared box it moves numbers.
@@ -43,6 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", default="auto",
                    help="comma list of pagedserve linear methods to run (auto = the GGUF kept quantized, none = fp32, "
                         "int8); one row set each")
+    p.add_argument("--dtype", default="auto",
+                   help="comma list of pagedserve --dtype values, each a set of rows (e.g. auto,float32)")
+    p.add_argument("--quality", action=argparse.BooleanOptionalAction, default=True,
+                   help="after the table, the default mode's top-1 agreement and KL against fp32 (loadtest/quality.py)")
     p.add_argument("--static-batch", type=int, default=16, help="batch size of the hfstatic row")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for every system (HF rows, offline, the server's worker); default: torch's")
@@ -138,12 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     if HF_SYSTEMS & set(args.systems):
         rows += run_hf_rows(args, reqs, device)
     for quant in args.quantization.split(","):
-        if "offline" in args.systems:
-            rows.append(run_guarded(ps.row_name("offline", quant), ps.run_offline, reqs, args.threads, None, quant,
-                                    is_pagedserve=True))
-        if "http" in args.systems:
-            progress(f"running http at concurrency {args.http_concurrency} ({quant})")
-            rows += report_failures(ps.run_http(reqs, args.http_concurrency, args.threads, None, quant))
+        for dtype in args.dtype.split(","):
+            if "offline" in args.systems:
+                rows.append(run_guarded(ps.row_name("offline", quant, dtype), ps.run_offline, reqs, args.threads, None,
+                                        quant, dtype, is_pagedserve=True))
+            if "http" in args.systems:
+                progress(f"running http at concurrency {args.http_concurrency} ({quant}, dtype {dtype})")
+                rows += report_failures(ps.run_http(reqs, args.http_concurrency, args.threads, None, quant, dtype))
     if "llamacpp" in args.systems:
         from loadtest import llama_cpp
         progress(f"running llama-server at concurrency {args.http_concurrency}")
@@ -163,6 +168,17 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:   # noqa: BLE001
             roof, roof_line = {"error": str(e)}, f"roofline: n/a ({type(e).__name__}: {e})"
 
+    quality: dict[str, Any] | None = None
+    quality_text = ""
+    if args.quality:
+        from loadtest import quality as q
+        progress("measuring the fast modes' quality against fp32")
+        try:
+            quality = q.measure(8 if args.quick else 32, 16 if args.quick else 64)
+            quality_text = q.table(quality)
+        except Exception as e:   # noqa: BLE001
+            quality, quality_text = {"error": str(e)}, f"quality: n/a ({type(e).__name__}: {e})"
+
     micro_res: dict[str, Any] | None = None
     micro_text = ""
     if args.micro:
@@ -177,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(sums))
     if roof_line:
         print(roof_line)
+    if quality_text:
+        print(quality_text)
     if micro_text:
         print(micro_text)
     if env["loadavg_end"][0] > (env["cpus"] or 1):
@@ -186,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.json, _finite({"workload": {"path": str(args.workload or default_workload_path()),
                                                     "description": describe(reqs), "limit": args.limit,
                                                     "max_tokens_cap": args.max_tokens_cap},
-                                       "environment": env, "rows": sums, "roofline": roof, "micro": micro_res}))
+                                       "environment": env, "rows": sums, "roofline": roof, "quality": quality,
+                                       "micro": micro_res}))
         progress(f"wrote {args.json}")
     return 0
 

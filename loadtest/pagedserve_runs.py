@@ -21,35 +21,39 @@ from loadtest.report import RequestTiming, SystemResult, short_error
 from loadtest.server import PagedServeServer
 from loadtest.workload import BenchRequest
 
-# The engine settings every pagedserve row uses (the issue's CPU configuration).
-ENGINE_KWARGS: dict[str, Any] = {"dtype": "float32", "kv_cache_memory": 2, "swap_space": 0}
+# The engine settings every pagedserve row uses (the issue's CPU configuration); the dtype is the default
+# (auto) unless a row names one.
+ENGINE_KWARGS: dict[str, Any] = {"kv_cache_memory": 2, "swap_space": 0}
 WARMUP = BenchRequest("warmup", list(range(100, 116)), 4)   # token ids absent from the workload's prompts
 
 
-def engine_kwargs(threads: int | None = None, quantization: str = "auto") -> dict[str, Any]:
+def engine_kwargs(threads: int | None = None, quantization: str = "auto", dtype: str = "auto") -> dict[str, Any]:
     kw = dict(ENGINE_KWARGS)
     if threads:
         kw["num_threads"] = threads
     if quantization != "auto":
         kw["quantization"] = quantization
+    if dtype != "auto":
+        kw["dtype"] = dtype
     return kw
 
 
-def row_name(base: str, quantization: str) -> str:
-    return base if quantization == "auto" else f"{base}-{quantization}"
+def row_name(base: str, quantization: str, dtype: str = "auto") -> str:
+    return "-".join([base] + [x for x in (quantization, dtype) if x != "auto"])
 
 
-def server_flags(threads: int | None = None, quantization: str = "auto") -> list[str]:
+def server_flags(threads: int | None = None, quantization: str = "auto", dtype: str = "auto") -> list[str]:
     """ENGINE_KWARGS as `pagedserve serve` flags, so both rows run the same engine configuration."""
     flags = []
-    for k, v in engine_kwargs(threads, quantization).items():
+    for k, v in engine_kwargs(threads, quantization, dtype).items():
         flags += ["--" + k.replace("_", "-"), str(v)]
     return flags
 
 
-def make_llm(threads: int | None = None, model: str | None = None, quantization: str = "auto", **overrides: Any):
+def make_llm(threads: int | None = None, model: str | None = None, quantization: str = "auto", dtype: str = "auto",
+             **overrides: Any):
     from pagedserve import LLM
-    return LLM(model, **{**engine_kwargs(threads, quantization), **overrides})
+    return LLM(model, **{**engine_kwargs(threads, quantization, dtype), **overrides})
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -93,10 +97,10 @@ def drive_engine(llm, reqs: list[BenchRequest], prefix: str) -> tuple[float, lis
 
 
 def run_offline(reqs: list[BenchRequest], threads: int | None = None, model: str | None = None,
-                quantization: str = "auto") -> SystemResult:
-    res = SystemResult(row_name("offline", quantization), is_pagedserve=True,
+                quantization: str = "auto", dtype: str = "auto") -> SystemResult:
+    res = SystemResult(row_name("offline", quantization, dtype), is_pagedserve=True,
                        notes=["pagedserve engine in-process, all requests added at t=0, stepped by hand"])
-    llm = make_llm(threads, model, quantization)
+    llm = make_llm(threads, model, quantization, dtype)
     try:
         drive_engine(llm, [WARMUP], "warmup")
         res.wall_s, res.timings = drive_engine(llm, reqs, "bench")
@@ -111,13 +115,13 @@ def run_offline(reqs: list[BenchRequest], threads: int | None = None, model: str
 
 
 def run_http(reqs: list[BenchRequest], concurrencies: list[int], threads: int | None = None,
-             model: str | None = None, quantization: str = "auto") -> list[SystemResult]:
+             model: str | None = None, quantization: str = "auto", dtype: str = "auto") -> list[SystemResult]:
     """One row per concurrency level; a level whose server fails prints as n/a and the next one still runs."""
     rows = []
     for c in concurrencies:
-        name = row_name(f"http-c{c}", quantization)
+        name = row_name(f"http-c{c}", quantization, dtype)
         try:
-            with PagedServeServer(server_flags(threads, quantization), model=model) as srv:
+            with PagedServeServer(server_flags(threads, quantization, dtype), model=model) as srv:
                 rows.append(asyncio.run(http_row(name, srv.url, reqs, c, WARMUP, True,
                                                  "pagedserve serve")))
         except Exception as e:   # noqa: BLE001 - a broken server must not take the other rows down

@@ -24,12 +24,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from common.model_source import ModelSource
+from loadtest.quality import LogitTap, compare
 from loadtest.quant_checkpoints import write_quantized
 from loadtest.workload import load_workload
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM
 
 GROUP = 64           # 576 = 9 x 64: SmolLM2's hidden size takes groups of 64, not 128
 METHODS: dict[str, tuple[str, dict[str, Any]]] = {   # row: (checkpoint, engine arguments)
@@ -74,50 +73,15 @@ def checkpoints(work: Path) -> dict[str, str | None]:
     return {"gguf": None, "awq": str(work / "awq"), "gptq": str(work / "gptq")}
 
 
-class LogitTap:
-    """Every logits row the engine computes for one request, in order: with prompt_logprobs on and the
-    whole prompt in one chunk, the prompt rows then the last position's, i.e. one row per position."""
-
-    def __init__(self, llm: LLM):
-        self.llm, self.rows = llm, []
-        model = llm.engine.executor.runner.model
-        inner = model.compute_logits
-        model.compute_logits = lambda hidden: self._keep(inner(hidden))
-
-    def _keep(self, logits: torch.Tensor) -> torch.Tensor:
-        self.rows.append(logits.float())
-        return logits
-
-    def logprobs(self, prompt: list[int]) -> torch.Tensor:
-        self.rows = []
-        self.llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-        out = torch.cat(self.rows).log_softmax(-1)
-        assert out.shape[0] == len(prompt), f"{out.shape[0]} logits rows for a {len(prompt)}-token prompt"
-        return out
-
-
 def quality(paths: dict[str, str | None], n_requests: int) -> dict[str, dict[str, float]]:
-    """Top-1 agreement and mean KL against the reference, request by request (full logits never pile up)."""
+    """Top-1 agreement and mean KL against the reference over every prompt position."""
     engines = {name: LLM(paths[ckpt], dtype="float32", kv_cache_memory=0.25, swap_space=0, max_num_batched_tokens=1024,
                          enable_prefix_caching=False, **kw) for name, (ckpt, kw) in METHODS.items()}
     rows = {name: {"weight_mib": e.engine.weight_bytes / 2**20, "kv_tokens_per_gib": kv_tokens_per_gib(e)}
             for name, e in engines.items()}
-    taps = {name: LogitTap(e) for name, e in engines.items()}
-    ref_name = next(iter(METHODS))
-    agree = {name: 0 for name in METHODS}
-    kl = {name: 0.0 for name in METHODS}
-    positions = 0
-    for i, req in enumerate(load_workload()[:n_requests]):
-        if i % 16 == 0:
-            print(f"quality: request {i} of {n_requests}", flush=True)
-        ref = taps[ref_name].logprobs(req.prompt_token_ids)
-        positions += ref.shape[0]
-        for name, tap in taps.items():
-            lp = ref if name == ref_name else tap.logprobs(req.prompt_token_ids)
-            agree[name] += int((lp.argmax(-1) == ref.argmax(-1)).sum())
-            kl[name] += float((ref.exp() * (ref - lp)).sum())
-    for name in METHODS:
-        rows[name].update(top1=agree[name] / positions, mean_kl=kl[name] / positions, positions=positions)
+    prompts = [(list(r.prompt_token_ids), 0) for r in load_workload()[:n_requests]]
+    for name, r in compare({name: LogitTap(e) for name, e in engines.items()}, prompts).items():
+        rows[name].update(r)
     return rows
 
 

@@ -52,12 +52,13 @@ def flops_per_token(mc: ModelConfig, context: float = 0.0) -> float:
     return 2.0 * params_per_token(mc) + attn
 
 
-def gemm_ceiling_gflops(mc: ModelConfig, batch: int = 64, passes: int = 5, device: str = "cpu") -> float:
-    """Sustained fp32 GFLOP/s of x[batch, in] @ W^T over the model's whole per-token weight set."""
+def gemm_ceiling_gflops(mc: ModelConfig, batch: int = 64, passes: int = 5, device: str = "cpu",
+                        dtype: torch.dtype = torch.float32) -> float:
+    """Sustained GFLOP/s of x[batch, in] @ W^T in `dtype` over the model's whole per-token weight set."""
     dev = torch.device(device)
     torch.manual_seed(0)
-    mats = [torch.randn(o, i, device=dev) * 0.02 for _, o, i, c in weight_shapes(mc) for _ in range(c)]
-    xs = {i: torch.randn(batch, i, device=dev) for i in {m.shape[1] for m in mats}}
+    mats = [(torch.randn(o, i, device=dev) * 0.02).to(dtype) for _, o, i, c in weight_shapes(mc) for _ in range(c)]
+    xs = {i: torch.randn(batch, i, device=dev).to(dtype) for i in {m.shape[1] for m in mats}}
     flops = 2.0 * batch * sum(m.numel() for m in mats)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
@@ -89,9 +90,12 @@ def decode_tokens_per_s(batch: int = 64, steps: int = 20, prompt_len: int = 16, 
     llm = make_llm(threads, model)
     try:
         engine = llm.engine
+        # The first sequence decodes while the others' prompts are still being prefilled (one budget of
+        # tokens a step); it must not finish before the timed steps are over.
+        max_tokens = steps + 2 * batch + batch * prompt_len // 128
         for b in range(batch):
             ids = [100 + (b * prompt_len + k) % 40000 for k in range(prompt_len)]
-            engine.add_request(EngineRequest(f"roof-{b}", ids, greedy(steps + 64)))
+            engine.add_request(EngineRequest(f"roof-{b}", ids, greedy(max_tokens)))
         started: set[str] = set()
         while len(started) < batch:
             for eo in engine.step():
@@ -125,9 +129,10 @@ class Roofline:
     decode_context: float
     fraction_of_gemm: float
     batch: int
+    gemm_dtype: str = "float32"
 
     def line(self) -> str:
-        return (f"roofline: fp32 GEMM ceiling {self.gemm_gflops:.1f} GFLOP/s at M={self.batch} over the model's "
+        return (f"roofline: {self.gemm_dtype} GEMM ceiling {self.gemm_gflops:.1f} GFLOP/s at M={self.batch} over the model's "
                 f"weights; {self.flops_per_token / 1e6:.0f} MFLOP/token ({self.params_per_token / 1e6:.1f}M "
                 f"params touched + attention at context {self.decode_context:.0f}); pagedserve decode at batch "
                 f"{self.batch}: {self.decode_tok_s:.1f} tok/s = {self.decode_tok_s * self.flops_per_token / 1e9:.1f} "
@@ -140,8 +145,14 @@ class Roofline:
 
 def measure(batch: int = 64, decode_steps: int = 20, gemm_passes: int = 5, threads: int | None = None,
             model: str | None = None, device: str = "cpu") -> Roofline:
+    """The ceiling is taken in the dtype the engine's matmuls run in by default (bf16 on CUDA, and on a
+    CPU where gpu_worker/cpu_precision.py finds bf16 hardware)."""
+    from gpu_worker.cpu_precision import matmul_dtype
     mc = model_config(model)
-    gflops = gemm_ceiling_gflops(mc, batch, gemm_passes, device)
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else matmul_dtype("auto", dev) or torch.float32
+    gflops = gemm_ceiling_gflops(mc, batch, gemm_passes, device, dtype)
     tok_s, ctx = decode_tokens_per_s(batch, decode_steps, threads=threads, model=model)
     fpt = flops_per_token(mc, ctx)
-    return Roofline(gflops, params_per_token(mc), fpt, tok_s, ctx, tok_s * fpt / (gflops * 1e9), batch)
+    return Roofline(gflops, params_per_token(mc), fpt, tok_s, ctx, tok_s * fpt / (gflops * 1e9), batch,
+                    str(dtype).replace("torch.", ""))

@@ -1,6 +1,7 @@
 """Where a single stream's time goes: each model-runner step timed by its kind, and the packed matmuls inside.
 
     python -m loadtest.step_profile [--speculative-config JSON] [--concurrency 1]
+    python -m loadtest.step_profile --decode-batch 64 --context 512 [--dtype auto]
 
 Runs the speculative benchmark's grounded workload (loadtest/spec_workload.jsonl) in waves of
 `--concurrency` through LLM.generate, with and without the given speculative config (default: without),
@@ -8,6 +9,11 @@ and prints, per kind of step (rows it ran: 1 = a decode, 5 = a verification of 4
 than 16 rows), the step count and median time; then the packed GEMMs' time per step, split into the
 decoder layers and the lm_head. The rest of a step is attention, norms, rope, sampling and Python. This is
 the profile behind the #8 / #16 notes: with it, a change to the hot path shows where it moved the time.
+
+With --decode-batch B: B distinct prompts of --context tokens are prefilled, then 10 steps that each decode
+exactly B tokens are timed (loadtest/roofline.py's decode measurement), split into the linear layers
+(lm_head included), attention (the backend's forward and KV writes), sampling (lm_head, argmax) and the
+rest (norms, rope, residuals, step inputs, Python). #16 asks for attention at most 25% at B = 64, 512.
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ from collections import defaultdict
 from typing import Any
 
 from gpu_worker import model_runner
+from gpu_worker.attention.torch_backend import TorchAttentionBackend
+from gpu_worker.layers.linear import Linear
 from gpu_worker.quantization import packed
 from loadtest.spec_bench import grounded_llm, run_waves
 
@@ -72,6 +80,70 @@ class StepTimer:
         return "\n".join(lines)
 
 
+class PartTimer:
+    """Wraps the parts of a step (in-process engine only) and sums each one's time over the steps of
+    exactly `rows` rows; a part called inside another (the lm_head inside sampling) counts in both."""
+    PARTS = {"linear": (Linear, "forward"), "attention": (TorchAttentionBackend, "forward"),
+             "kv write": (TorchAttentionBackend, "write_kv"), "sampling": (model_runner.ModelRunner, "_sample")}
+
+    def __init__(self, rows: int) -> None:
+        self.rows, self.steps, self.step_s = rows, 0, 0.0
+        self.totals: dict[str, float] = defaultdict(float)
+        self._now: dict[str, float] = defaultdict(float)
+        self._orig = {name: getattr(cls, attr) for name, (cls, attr) in self.PARTS.items()}
+        self._execute = model_runner.ModelRunner.execute
+        for name, (cls, attr) in self.PARTS.items():
+            setattr(cls, attr, self._timed(name, self._orig[name]))
+
+        def execute(runner, sched):
+            self._now.clear()
+            t0 = time.perf_counter()
+            out = self._execute(runner, sched)
+            if sched.total_num_tokens == self.rows:
+                self.steps += 1
+                self.step_s += time.perf_counter() - t0
+                for k, v in self._now.items():
+                    self.totals[k] += v
+            return out
+        model_runner.ModelRunner.execute = execute
+
+    def _timed(self, name: str, fn):
+        def wrapped(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._now[name] += time.perf_counter() - t0
+        return wrapped
+
+    def restore(self) -> None:
+        for name, (cls, attr) in self.PARTS.items():
+            setattr(cls, attr, self._orig[name])
+        model_runner.ModelRunner.execute = self._execute
+
+    def report(self) -> str:
+        n = max(self.steps, 1)
+        lines = [f"  step: {self.step_s / n * 1e3:7.1f} ms ({self.steps} steps of {self.rows} rows)"]
+        for k, v in self.totals.items():
+            lines.append(f"  {k:10}: {v / n * 1e3:7.1f} ms  {v / self.step_s:6.1%}")
+        return "\n".join(lines)
+
+
+def decode_profile(batch: int, context: int, dtype: str) -> str:
+    from loadtest import pagedserve_runs, roofline
+    timer = PartTimer(batch)
+    make = roofline.make_llm
+    try:
+        kv_gib = max(2.0, 1.5 * batch * (context + 2 * batch + batch * context // 128) * 46e3 / 2**30)
+        roofline.make_llm = lambda threads, model: pagedserve_runs.make_llm(threads, model, dtype=dtype,
+                                                                           kv_cache_memory=kv_gib)
+        tok_s, ctx = roofline.decode_tokens_per_s(batch=batch, steps=10, prompt_len=context)
+    finally:
+        roofline.make_llm = make
+        timer.restore()
+    return f"decode at batch {batch}, context {ctx:.0f}, --dtype {dtype}: {tok_s:.1f} tok/s\n" + timer.report()
+
+
 def profile(spec: dict | None, concurrency: int) -> str:
     timer = StepTimer()
     try:
@@ -92,8 +164,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--speculative-config", type=json.loads, default=None)
     p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--decode-batch", type=int, default=None, help="profile decode steps of this many sequences")
+    p.add_argument("--context", type=int, default=512, help="--decode-batch: prompt tokens per sequence")
+    p.add_argument("--dtype", default="auto", help="--decode-batch: the engine's --dtype")
     args = p.parse_args()
-    print(profile(args.speculative_config, args.concurrency))
+    if args.decode_batch:
+        print(decode_profile(args.decode_batch, args.context, args.dtype))
+    else:
+        print(profile(args.speculative_config, args.concurrency))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ _ENGINE_HELP = {
     "tokenizer": "the tokenizer's folder or hub id, when it is not the model's",
     "revision": "hub ids: the branch, tag or commit (from the local cache)",
     "download_dir": "hub ids: the Hugging Face cache folder to look in",
-    "dtype": f"weights and activations: {', '.join(DTYPES)} (auto: float32 on the CPU, bfloat16 on CUDA)",
+    "dtype": f"weights and activations: {', '.join(DTYPES)} (auto: bfloat16 on CUDA; on a CPU with AMX-BF16 or "
+             "AVX512-BF16, bf16 matmuls with fp32 activations; float32 on other CPUs)",
     "max_model_len": "longest prompt + output, e.g. 4096, 32k or 32K (auto: the model's)",
     "load_format": f"{', '.join(LOAD_FORMATS)} (dummy: random weights)",
     "kv_cache_memory": "GiB of memory for the KV cache on CPU",
@@ -42,7 +43,7 @@ _ENGINE_HELP = {
                     "(weights quantized at load), gguf, awq, gptq (also awq_marlin, gptq_marlin)",
     "calculate_kv_scales": "with an fp8 KV cache: each layer's k/v scales from the first forward pass's K and V "
                            "(largest magnitude at the format's largest value), not 1.0 or the checkpoint's",
-    "kv_cache_dtype": "KV cache entries: auto (the model dtype), float32, bfloat16, float16, fp8 (= fp8_e4m3), "
+    "kv_cache_dtype": "KV cache entries: auto (the model dtype; bfloat16 where --dtype auto runs bf16 matmuls), float32, bfloat16, float16, fp8 (= fp8_e4m3), "
                       "fp8_e5m2",
     "enable_lora": "serve LoRA adapters: requests choose one by its name in \"model\"",
     "max_loras": "adapters resident on the workers at once; a step never mixes more",

@@ -51,7 +51,9 @@ def setup(request, tiny_model, default_tokenizer, tmp_path_factory):
 def server(setup, tmp_path_factory):
     model_args, a1, _, _ = setup
     a1_json = json.dumps({"name": "a1", "path": str(a1), "base_model_name": "tiny-base"})
-    with run_server(*model_args, "--served-model-name", "tiny", "--kv-cache-memory", "0.1", "--swap-space", "0",
+    # --dtype float32: HF's outputs exactly; bf16 matmuls (auto on a bf16 CPU) would change mixed batches
+    with run_server(*model_args, "--dtype", "float32", "--served-model-name", "tiny", "--kv-cache-memory", "0.1",
+                    "--swap-space", "0",
                     "--num-threads", "1", "--enable-lora", "--max-loras", "2", "--lora-modules", a1_json,
                     log_dir=tmp_path_factory.mktemp("lora-http-logs"),
                     env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as s:

@@ -44,8 +44,25 @@ class LinearMethod:
         """Share the input embedding's table as this (output) layer's weight."""
         layer.weight = embedding.weight
 
+    def use_matmul_dtype(self, layer: "Linear", dtype: torch.dtype) -> None:
+        """Run this layer's matmuls with `dtype` weights while activations keep theirs (gpu_worker/
+        cpu_precision.py: bf16 on a CPU with bf16 matrix hardware). Plain weights are held in `dtype`
+        from here on; methods with weights of their own override this."""
+        w = layer.weight
+        if w.dtype != dtype:
+            layer.weight = nn.Parameter(w.detach().to(dtype), requires_grad=False)
+
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        if layer.weight.dtype != x.dtype:
+            return low_precision_linear(x, layer.weight, layer.bias)
         return torch.nn.functional.linear(x, layer.weight, layer.bias)
+
+
+def low_precision_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T (+ bias) with a weight held in lower precision than x: x is rounded to the weight's
+    dtype for the product, which comes back in x's dtype; the bias is added there."""
+    y = torch.nn.functional.linear(x.to(weight.dtype), weight).to(x.dtype)
+    return y if bias is None else y + bias.to(x.dtype)
 
 
 class Linear(nn.Module):

@@ -56,6 +56,9 @@ class LoRALinearMethod(LinearMethod):
     def tie(self, layer: Linear, embedding: nn.Module) -> None:
         self.base.tie(layer, embedding)
 
+    def use_matmul_dtype(self, layer: Linear, dtype: torch.dtype) -> None:
+        self.base.use_matmul_dtype(layer, dtype)
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         y = self.base.apply(layer, x)
         batch = self.step.batch

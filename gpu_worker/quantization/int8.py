@@ -22,6 +22,9 @@ class Int8LinearMethod(LinearMethod):
         layer.register_buffer("w_int8", (w / scale[:, None]).round().to(torch.int8).t(), persistent=False)  # [in, out]
         layer.register_buffer("w_scale", scale, persistent=False)
 
+    def use_matmul_dtype(self, layer: Linear, dtype: torch.dtype) -> None:
+        """int8 products already: the weights stay int8."""
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         xf = x.reshape(-1, x.shape[-1]).float()

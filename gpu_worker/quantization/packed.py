@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from gpu_worker.kernels import native
+from gpu_worker.layers.linear import low_precision_linear
 
 # Per native ISA level, the largest step the native kernel runs (loadtest/qgemm_bench.py: where `direct` and
 # `expand+gemm` cross). AVX2 (EPYC, 2 threads): direct wins up to 28-40 rows, 40 keeps a speculative step
@@ -82,6 +83,7 @@ class PackedWeight:
     bits: int
     group: int
     perm: torch.Tensor | None = None    # int64 [K]: the input order of the stored columns (GroupQuant.perm)
+    expanded: torch.Tensor | None = None    # CPU: the weights in bf16 for steps beyond the native kernel's rows
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -90,7 +92,7 @@ class PackedWeight:
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.q, self.scale, self.offset) + (() if self.perm is None else (self.perm,))
+        return (self.q, self.scale, self.offset) + tuple(t for t in (self.perm, self.expanded) if t is not None)
 
     @classmethod
     def from_groups(cls, gq: GroupQuant, device: torch.device | str = "cpu") -> "PackedWeight":
@@ -161,11 +163,21 @@ class PackedWeight:
         lib = native.library() if x.device.type == "cpu" else None
         if lib is not None and x2.shape[0] <= GEMM_MAX_ROWS[native.cpu_isa()]:
             y = self._native_gemm(lib, x2, bias)
+        elif self.expanded is not None:
+            y = low_precision_linear(x2, self.expanded, bias)
         else:
             y = torch.nn.functional.linear(x2, self._dequantize_fast(lib), bias)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y.reshape(*lead, -1) if len(lead) != 1 else y
+
+    def keep_expanded(self, dtype: torch.dtype) -> None:
+        """Hold a `dtype` expansion of the weights (on the CPU) for the steps the native kernel does not
+        run: with bf16 matrix hardware a bf16 GEMM beats expanding to fp32 at every call by 3-4x
+        (gpu_worker/cpu_precision.py). The packed copy stays for the small steps, where reading half a
+        byte a weight is the win. A table shared by the embedding and the lm_head is expanded once."""
+        if self.q.device.type == "cpu" and (self.expanded is None or self.expanded.dtype != dtype):
+            self.expanded = self._dequantize_fast(native.library()).to(dtype)
 
     def _native_gemm(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q, scale, offset, n, group, bits = self._call

@@ -56,6 +56,12 @@ class PackedLinearMethod(LinearMethod):
         if "weight" in layer._parameters:
             del layer.weight
 
+    def use_matmul_dtype(self, layer: Linear, dtype: torch.dtype) -> None:
+        if layer.packed is not None:
+            layer.packed.keep_expanded(dtype)
+        elif "weight" in layer._parameters:      # a layer that stayed plain
+            super().use_matmul_dtype(layer, dtype)
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.packed is None:
             return super().apply(layer, x)

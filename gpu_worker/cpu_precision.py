@@ -1,0 +1,73 @@
+"""`--dtype auto` on the CPU: which precision the matmuls run in, from what this CPU's hardware does fast.
+
+On a CPU with bf16 matrix hardware (AMX-BF16 tiles, or AVX512-BF16 dot products), oneDNN runs a bf16
+GEMM at 2-4x fp32's rate once a step has a few rows: SmolLM2-135M's 121 products took 85 ms in fp32 and
+35 ms in bf16 at 64 rows, 577 ms and 133 ms at 512, on a 2-core Sapphire Rapids Xeon (the roofline line
+of `python -m loadtest.bench` measures the ceiling in the dtype chosen here). Elsewhere (AVX2 only)
+bf16 is emulated and slower than fp32, so fp32 stays.
+
+The fast mode keeps activations, norms, rope, softmax and sampling in fp32 (elementwise bf16 on the CPU
+is slower: a single-stream decode step took 15.1 ms all-bf16 against 13.1 ms in fp32) and gives the
+matmuls bf16 weights: plain weights are held in bf16, and packed (GGUF, AWQ, GPTQ) weights keep their packed copy for the native kernel's
+small steps and gain a bf16 expansion for steps beyond it (more memory: 2 bytes a weight); the KV
+cache's auto dtype becomes bf16. `--dtype float32` turns all of it off: the exact mode that the
+HF-equality tests use. Its quality against fp32 is measured by loadtest/quality.py (top-1 agreement
+98.3% on the shared workload). A token's result depends on which rows shared its steps (as on a GPU):
+greedy outputs are not batch-invariant in this mode.
+
+PAGEDSERVE_CPU_BF16=0 turns the detection off, =1 forces it on (tests run the mode on any CPU).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")       # /proc/cpuinfo names, best first
+
+
+@lru_cache(maxsize=4)
+def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def bf16_hardware(flags: frozenset[str] | None = None) -> str | None:
+    """The CPU feature that makes bf16 matmuls fast here ("amx_bf16", "avx512_bf16"), or None, from
+    /proc/cpuinfo's flags (or `flags`); the environment's PAGEDSERVE_CPU_BF16 overrides (0: None,
+    1: "forced")."""
+    forced = os.environ.get("PAGEDSERVE_CPU_BF16", "").strip().lower()
+    if forced in ("0", "off", "false", "no"):
+        return None
+    if forced in ("1", "on", "true", "yes"):
+        return "forced"
+    if forced:
+        raise ValueError(f"PAGEDSERVE_CPU_BF16={forced!r}; expected 0 or 1")
+    flags = cpu_flags() if flags is None else flags
+    return next((f for f in BF16_FLAGS if f in flags), None)
+
+
+def matmul_dtype(dtype_name: str, device: torch.device) -> torch.dtype | None:
+    """The dtype the matmuls of an fp32 model run in: bf16 for `--dtype auto` on a CPU with bf16
+    hardware, otherwise None (the model's own dtype everywhere)."""
+    if dtype_name != "auto" or device.type != "cpu":
+        return None
+    feature = bf16_hardware()
+    if feature is None:
+        log.info("cpu %s without bf16 matrix hardware: --dtype auto runs fp32", torch.backends.cpu.get_cpu_capability())
+        return None
+    log.info("cpu %s with %s: --dtype auto runs the matmuls in bf16, activations in fp32 (--dtype float32 for "
+             "fp32 throughout)", torch.backends.cpu.get_cpu_capability(), feature)
+    return torch.bfloat16
+

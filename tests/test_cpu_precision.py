@@ -1,0 +1,112 @@
+"""`--dtype auto` on a CPU with bf16 matrix hardware (gpu_worker/cpu_precision.py): the detection, the
+bf16 weights each Linear method keeps, and the engine's mode end to end against fp32. The mode is forced
+on with PAGEDSERVE_CPU_BF16=1 so that these run on any CPU (bf16 matmuls are emulated without the
+hardware: slower, the same numbers)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from gpu_worker import cpu_precision
+from gpu_worker.layers.linear import Linear
+from gpu_worker.quantization.packed import GEMM_MAX_ROWS
+from gpu_worker.kernels import native
+from tests.gguf_files import gguf_tensor
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.unit
+def test_the_feature_comes_from_the_cpu_flags_and_the_environment_overrides(tmp_path, monkeypatch):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_tile amx_bf16\n")
+    monkeypatch.delenv("PAGEDSERVE_CPU_BF16", raising=False)
+    assert cpu_precision.cpu_flags(str(info)) >= {"avx512_bf16", "amx_bf16"}
+    assert cpu_precision.bf16_hardware(frozenset({"avx2", "avx512_bf16", "amx_bf16"})) == "amx_bf16"
+    assert cpu_precision.bf16_hardware(frozenset({"avx2", "avx512_bf16"})) == "avx512_bf16"
+    assert cpu_precision.bf16_hardware(frozenset({"avx2", "fma"})) is None          # Zen 3
+    assert cpu_precision.cpu_flags(str(tmp_path / "missing")) == frozenset()
+    monkeypatch.setenv("PAGEDSERVE_CPU_BF16", "0")
+    assert cpu_precision.bf16_hardware(frozenset({"amx_bf16"})) is None
+    monkeypatch.setenv("PAGEDSERVE_CPU_BF16", "1")
+    assert cpu_precision.bf16_hardware(frozenset()) == "forced"
+    monkeypatch.setenv("PAGEDSERVE_CPU_BF16", "maybe")
+    with pytest.raises(ValueError, match="PAGEDSERVE_CPU_BF16"):
+        cpu_precision.bf16_hardware(frozenset())
+
+
+@pytest.mark.unit
+def test_only_auto_on_the_cpu_gets_bf16_matmuls(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CPU_BF16", "1")
+    assert cpu_precision.matmul_dtype("auto", CPU) == torch.bfloat16
+    assert cpu_precision.matmul_dtype("float32", CPU) is None           # the exact mode
+    assert cpu_precision.matmul_dtype("bfloat16", CPU) is None          # bf16 throughout: the model's dtype
+    assert cpu_precision.matmul_dtype("auto", torch.device("cuda")) is None
+    monkeypatch.setenv("PAGEDSERVE_CPU_BF16", "0")
+    assert cpu_precision.matmul_dtype("auto", CPU) is None
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+
+
+@pytest.mark.unit
+def test_a_plain_layer_holds_bf16_weights_and_keeps_fp32_activations():
+    torch.manual_seed(0)
+    layer = Linear(96, {"a": 40, "b": 24}, bias=True)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    x = torch.randn(5, 96)
+    want = layer(x)
+    layer.method.use_matmul_dtype(layer, torch.bfloat16)
+    assert layer.weight.dtype == torch.bfloat16
+    got = layer(x)
+    assert got.dtype == torch.float32
+    err = _rel_err(got, want)
+    assert 1e-5 < err < 2e-2, err          # bf16 rounding of x and W: visible, small
+
+
+@pytest.mark.unit
+def test_packed_weights_keep_the_kernel_for_small_steps_and_bf16_beyond():
+    pw = gguf_tensor(T.Q4_1, 64, 128, seed=2).pack()
+    rows = max(GEMM_MAX_ROWS.values()) + 8
+    x = torch.randn(rows, 128)
+    before = pw.matmul(x)
+    small = pw.matmul(x[:4])
+    pw.keep_expanded(torch.bfloat16)
+    assert pw.expanded is not None and pw.expanded.dtype == torch.bfloat16
+    assert pw.expanded.data_ptr() in {t.data_ptr() for t in pw.tensors}     # counted as resident weights
+    if native.available():
+        assert torch.equal(pw.matmul(x[:4]), small)      # the native kernel's steps are untouched
+    got = pw.matmul(x)
+    assert got.dtype == torch.float32
+    err = _rel_err(got, before)
+    assert 1e-5 < err < 2e-2, err
+
+
+@pytest.mark.slow
+def test_the_engine_in_bf16_matmul_mode_stays_close_to_fp32(tiny_model, monkeypatch):
+    """LLM with --dtype auto and the mode forced on: bf16 matmuls and a bf16 KV cache; prompt and sampled
+    logprobs stay within bf16's error of the fp32 engine's, over prefills of more than GEMM_MAX_ROWS rows."""
+    from pagedserve import LLM, SamplingParams
+    monkeypatch.setenv("PAGEDSERVE_CPU_BF16", "1")
+    folder = str(tiny_model("llama"))
+    prompts = [[(7 * i + 3 * j) % 900 + 10 for j in range(60 + 9 * i)] for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    runs = {}
+    for dtype in ("auto", "float32"):
+        llm = LLM(folder, dtype=dtype, kv_cache_memory=0.05, swap_space=0)
+        runner = llm.engine.executor.runner
+        runs[dtype] = (runner.matmul_dtype, runner.kv_dtype, llm.generate(prompts, sp, use_tqdm=False))
+        llm.engine.shutdown()
+    assert runs["auto"][:2] == (torch.bfloat16, torch.bfloat16)
+    assert runs["float32"][:2] == (None, torch.float32)
+    diffs = []
+    for fast, exact in zip(runs["auto"][2], runs["float32"][2]):
+        a = [rec[0] for rec in fast.prompt_logprobs[1:]]          # each prompt token's logprob
+        b = [rec[0] for rec in exact.prompt_logprobs[1:]]
+        assert a != b                               # the mode is on: bf16 rounding shows
+        diffs += [abs(x - y) for x, y in zip(a, b)]
+    # a random tiny model's logprobs span ~7 nats; wrong weights or a misread cache move them by whole nats
+    assert max(diffs) < 0.25 and sum(diffs) / len(diffs) < 0.02, (max(diffs), sum(diffs) / len(diffs))
