@@ -199,11 +199,19 @@ __attribute__((always_inline)) inline typename Vec<W>::F ldq(const float* p) { r
 template <int W>
 __attribute__((always_inline)) inline void stq(float* p, typename Vec<W>::F x) { *(typename Vec<W>::Fu*)p = x; }
 
-// A W-vector folded to 8 lanes (halves added), so every width reduces through hsum4 the same way.
-__attribute__((always_inline)) inline v8 fold(v8 x) { return x; }
-__attribute__((always_inline)) inline v8 fold(v16 x) {
-    return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+// The four horizontal sums of 16-wide a, b, c, d: 256-bit halves added (a with b, c with d, in one
+// vector each), then 128-bit quarters (all four in one vector), then pairs twice. Each input goes through
+// the same additions, so a key's score does not depend on which of the four it was.
+__attribute__((always_inline)) inline v4 hsum4(v16 a, v16 b, v16 c, v16 d) {
+    const v16 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                   __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const v16 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                   __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const v16 q = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                  __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const v16 x = q + __builtin_shufflevector(q, q, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    const v16 y = x + __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    return __builtin_shufflevector(y, y, 0, 4, 8, 12);
 }
 
 // sc[r][t] = q[r] . k[t] for RB rows and the keys t in [lo, hi) (lo, hi multiples of 4 from the chunk's
@@ -233,7 +241,7 @@ __attribute__((always_inline)) inline void dots(const float* const* q, const voi
             }
         }
         for (int r = 0; r < RB; ++r)
-            *(v4u*)(sc[r] + t) = hsum4(fold(s[r][0]), fold(s[r][1]), fold(s[r][2]), fold(s[r][3]));
+            *(v4u*)(sc[r] + t) = hsum4(s[r][0], s[r][1], s[r][2], s[r][3]);
     }
 }
 
