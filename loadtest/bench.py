@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "int8); one row set each")
     p.add_argument("--dtype", default="auto",
                    help="comma list of pagedserve --dtype values, each a set of rows (e.g. auto,float32)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the pagedserve rows' token budget a step (default: the engine's, 512)")
     p.add_argument("--quality", action=argparse.BooleanOptionalAction, default=True,
                    help="after the table, the default mode's top-1 agreement and KL against fp32 (loadtest/quality.py)")
     p.add_argument("--static-batch", type=int, default=16, help="batch size of the hfstatic row")
@@ -138,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     progress(header.replace("\n", "; "))
 
     from loadtest import pagedserve_runs as ps
+    if args.max_num_batched_tokens:
+        ps.ENGINE_KWARGS["max_num_batched_tokens"] = args.max_num_batched_tokens
     rows: list[SystemResult] = []
     if HF_SYSTEMS & set(args.systems):
         rows += run_hf_rows(args, reqs, device)

@@ -166,7 +166,7 @@ class PackedWeight:
         elif self.expanded is not None:
             y = low_precision_linear(x2, self.expanded, bias)
         else:
-            y = torch.nn.functional.linear(x2, self._dequantize_fast(lib), bias)
+            y = torch.nn.functional.linear(x2, self._dequantize_fast(lib, scratch=True), bias)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y.reshape(*lead, -1) if len(lead) != 1 else y
@@ -186,11 +186,23 @@ class PackedWeight:
                      None if bias is None else bias.data_ptr(), y.data_ptr(), native.cpu_isa())
         return y
 
-    def _dequantize_fast(self, lib: ctypes.CDLL | None) -> torch.Tensor:
+    def _dequantize_fast(self, lib: ctypes.CDLL | None, scratch: bool = False) -> torch.Tensor:
+        """The fp32 weights, expanded by the native kernel when it is there. scratch: into the process's
+        one expansion buffer, valid until the next call (a large step's matmul reads it at once): a fresh
+        100 MB tensor a call is fresh pages a call, whose first-touch faults cost more than the expansion."""
         if lib is None:
             return self.dequantize()
         q, scale, offset, n, group, bits = self._call
         k = self.shape[1]
-        w = torch.empty(n, k, dtype=torch.float32)
+        w = _scratch(n * k).view(n, k) if scratch else torch.empty(n, k, dtype=torch.float32)
         lib.psq_dequantize(q, scale, offset, n, k, group, bits, w.data_ptr(), native.cpu_isa())
         return w
+
+
+_expansion: list[torch.Tensor] = []       # the expansion buffer, grown to the largest weight expanded
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    if not _expansion or _expansion[0].numel() < numel:
+        _expansion[:] = [torch.empty(numel, dtype=torch.float32)]
+    return _expansion[0][:numel]
