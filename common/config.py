@@ -16,6 +16,9 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", 
 # --dtype: vLLM's names (half = float16, float = float32) and the short forms; auto is fp32 on the CPU,
 # bf16 on CUDA
 DTYPES = ("auto", "float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16")
+# vLLM's --prefix-caching-hash-algo names (scheduler/block_hash.py): sha256_cbor is the same chain here (no KV
+# events leave the process), blake2b is keyed with a random per-process key
+HASH_ALGOS = ("sha256", "sha256_cbor", "blake2b")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")    # dummy: random weights (benchmarks of shapes)
 
 
@@ -69,6 +72,7 @@ class EngineConfig:
     num_gpu_blocks: int | None = field(default=None, metadata={"aliases": ("--num-gpu-blocks-override",)})
     swap_space: float = 1.0               # GiB of host memory for swapped-out blocks
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"   # sha256, sha256_cbor (the same here) or blake2b (keyed per process)
     seed: int = 0
     num_threads: int | None = None
     tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",)})

@@ -112,6 +112,13 @@ class ModelRunner:
                           prefix_caching=self._prefix_caching_safe(),
                           kv_group_windows=self.kv_layout.group_windows, long_rope_after=self._long_rope_after)
 
+    def reset(self) -> None:
+        """Forget the old scheduler session before a new one initializes: its sequence ids, block ids and
+        adapter keys mean nothing to a restarted scheduler (the weights and the loaded model stay)."""
+        self.seqs.clear()
+        if self.lora is not None:
+            self.lora.reset()
+
     @property
     def _long_rope_after(self) -> int | None:
         """LongRoPE's pretraining length where a context can pass it, else None."""

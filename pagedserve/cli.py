@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from common.chat_template import load_chat_template
-from common.config import (DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATION_ALIASES,
+from common.config import (DTYPES, HASH_ALGOS, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATION_ALIASES,
                            QUANTIZATION_METHODS, EngineConfig)
 from common.lora import check_lora_config
 from common.model_source import ModelNotFound, ModelSource
@@ -45,6 +45,8 @@ _ENGINE_HELP = {
                            "(largest magnitude at the format's largest value), not 1.0 or the checkpoint's",
     "kv_cache_dtype": "KV cache entries: auto (the model dtype; bfloat16 where --dtype auto runs bf16 matmuls), float32, bfloat16, float16, fp8 (= fp8_e4m3), "
                       "fp8_e5m2",
+    "prefix_caching_hash_algo": "prefix-cache block digests: sha256 (sha256_cbor is the same chain here) or blake2b "
+                                "(keyed with a random per-process key); a hit also compares the block's tokens",
     "enable_lora": "serve LoRA adapters: requests choose one by its name in \"model\"",
     "max_loras": "adapters resident on the workers at once; a step never mixes more",
     "max_lora_rank": "the largest adapter rank accepted (the adapter slots are sized for it)",
@@ -117,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(sched)
     sched.add_argument("--frontend", default=DEFAULT_FRONTEND, help="address routers connect to")
     sched.add_argument("--workers", default=DEFAULT_WORKERS, help="address workers connect to")
+    sched.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)   # serve's supervisor watches it
 
     worker = sub.add_parser("worker", help="one worker process alone")
     add_model_args(worker)
@@ -166,6 +169,7 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     _choice(parser, "--load-format", args.load_format, LOAD_FORMATS)
     _choice(parser, "--device", args.device, ("auto", "cpu", "cuda"))
     _choice(parser, "--attention-backend", args.attention_backend, ("auto", "torch", "triton"))
+    _choice(parser, "--prefix-caching-hash-algo", args.prefix_caching_hash_algo, HASH_ALGOS)
     for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "block_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -246,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("pagedserve").warning("%s", line)
     if args.command == "scheduler":
         from scheduler.scheduler_process import run_scheduler
-        run_scheduler(engine_config(args), args.frontend, args.workers, args.tensor_parallel_size)
+        run_scheduler(engine_config(args), args.frontend, args.workers, args.tensor_parallel_size, args.ready_file)
     elif args.command == "worker":
         from gpu_worker.worker import run_worker
         run_worker(engine_config(args), args.connect, args.rank)
@@ -260,7 +264,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Start every part as a child process; Ctrl-C or SIGTERM drains the routers, then stops the rest."""
+    """Start every part as a child process and keep the engine alive: a scheduler or worker that exits
+    after the engine came up is restarted with back-off (the routers answer 503 meanwhile, and serve
+    again once the new engine is ready). Ctrl-C or SIGTERM drains the routers, then stops the rest."""
     engine = EngineProcesses.start(args.model, engine_flags(args), args.num_threads, args.tensor_parallel_size)
     rc = router_config(args, frontend_address=engine.frontend)
     model = [args.model] if args.model else []
@@ -274,11 +280,13 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        # any child's exit ends the service: a worker that dies while loading (a bad checkpoint) must not
-        # leave the scheduler waiting for it
-        while stop["signal"] is None and all(r.poll() is None for r in routers) and engine.exited() is None:
+        # an engine child that dies during start-up (a bad checkpoint) or a router's exit ends the service
+        why = None
+        while stop["signal"] is None and why is None:
+            why = engine.restart_exited() or next((f"a router exited with code {r.returncode}"
+                                                   for r in routers if r.poll() is not None), None)
             time.sleep(0.2)
-        if stop["signal"] is None and (why := engine.exited()) is not None:     # not Ctrl-C's own exits
+        if why is not None:
             logging.getLogger("pagedserve").error("%s; stopping", why)
             failed = True
         for r in routers:   # routers first: they drain in-flight requests

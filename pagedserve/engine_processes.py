@@ -1,8 +1,10 @@
-"""Starts and stops the engine's processes on this machine: the scheduler and one worker per tensor-parallel
-rank, connected over IPC sockets in a private folder. `pagedserve serve` adds routers in front of them;
-AsyncLLMEngine talks to the scheduler itself."""
+"""Starts, restarts and stops the engine's processes on this machine: the scheduler and one worker per
+tensor-parallel rank, connected over IPC sockets in a private folder. `pagedserve serve` adds routers in
+front of them and calls `restart_exited` to heal the engine; AsyncLLMEngine talks to the scheduler itself
+and reports a dead engine instead (as vLLM's does)."""
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -12,6 +14,26 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+log = logging.getLogger("pagedserve")
+
+BACKOFF_FIRST_S = 1.0       # the first restart's delay; each further one doubles it, up to BACKOFF_MAX_S
+BACKOFF_MAX_S = 30.0
+BACKOFF_RESET_S = 60.0      # a child that ran this long since its last restart starts from BACKOFF_FIRST_S
+
+
+@dataclass
+class Backoff:
+    """Delays between restarts of one child: 1, 2, 4 .. 30 s, back to 1 s after a long enough run."""
+    failures: int = 0
+    last_start: float = field(default_factory=time.monotonic)
+
+    def next_delay(self, now: float) -> float:
+        if now - self.last_start >= BACKOFF_RESET_S:
+            self.failures = 0
+        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** self.failures)
+        self.failures += 1
+        return delay
+
 
 @dataclass
 class EngineProcesses:
@@ -19,6 +41,10 @@ class EngineProcesses:
     frontend: str                                   # the scheduler's address for routers and clients
     procs: list[subprocess.Popen] = field(default_factory=list)
     num_engine: int = 0                             # procs[:num_engine]: the scheduler and the workers
+    commands: list[tuple[list[str], dict | None]] = field(default_factory=list)   # how procs[i] was started
+    backoff: dict[int, Backoff] = field(default_factory=dict)
+    restart_at: dict[int, float] = field(default_factory=dict)   # engine child index -> when to start it again
+    restarts: int = 0
 
     @classmethod
     def start(cls, model: str | None, flags: list[str], num_threads: int | None,
@@ -28,8 +54,8 @@ class EngineProcesses:
         eng = cls(run_dir, f"ipc://{run_dir}/frontend.ipc")
         workers = f"ipc://{run_dir}/workers.ipc"
         args = [model] if model else []
-        eng.spawn(["scheduler", *args, *flags, "--frontend", eng.frontend, "--workers", workers],
-                  {"OMP_NUM_THREADS": "1"})
+        eng.spawn(["scheduler", *args, *flags, "--frontend", eng.frontend, "--workers", workers,
+                   "--ready-file", eng.ready_file], {"OMP_NUM_THREADS": "1"})
         for rank in range(tensor_parallel_size):
             eng.spawn(["worker", *args, *flags, "--connect", workers, "--rank", str(rank)],
                       {"OMP_NUM_THREADS": str(num_threads)} if num_threads else None)
@@ -39,10 +65,46 @@ class EngineProcesses:
     def spawn(self, cli_args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         """`pagedserve CLI_ARGS` as a child, stopped with the others. The parent has resolved the model
         (a hub id is in the local cache by then), so children never contact the hub (HF_HUB_OFFLINE)."""
-        p = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", *cli_args],
-                             env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+        p = self._popen(cli_args, env)
         self.procs.append(p)
+        self.commands.append((cli_args, env))
         return p
+
+    @staticmethod
+    def _popen(cli_args: list[str], env: dict[str, str] | None) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "pagedserve.cli", *cli_args],
+                                env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+
+    @property
+    def ready_file(self) -> str:
+        """The scheduler touches it after each warm-up: the engine has served at least once."""
+        return os.path.join(self.run_dir, "ready")
+
+    @property
+    def came_up(self) -> bool:
+        return os.path.exists(self.ready_file)
+
+    def restart_exited(self, now: float | None = None) -> str | None:
+        """One supervision pass: an engine child that exited is started again after its back-off. A
+        child that exits before the engine ever came up (a bad checkpoint, a bad flag) is not retried:
+        the reason is returned and the service should stop."""
+        now = time.monotonic() if now is None else now
+        for i, p in enumerate(self.procs[:self.num_engine]):
+            if p.poll() is None:
+                continue
+            if not self.came_up:
+                return f"the engine's {_role(p)} process exited with code {p.returncode} during start-up"
+            if i not in self.restart_at:
+                delay = self.backoff.setdefault(i, Backoff()).next_delay(now)
+                self.restart_at[i] = now + delay
+                log.error("the engine's %s process exited with code %d; restarting it in %.0fs", _role(p),
+                          p.returncode, delay)
+            elif now >= self.restart_at[i]:
+                del self.restart_at[i]
+                self.procs[i] = self._popen(*self.commands[i])
+                self.backoff[i].last_start = now
+                self.restarts += 1
+        return None
 
     @property
     def scheduler(self) -> subprocess.Popen:
@@ -52,7 +114,7 @@ class EngineProcesses:
         """Which engine child (scheduler or worker) has exited, if one has: the engine is dead then."""
         for p in self.procs[:self.num_engine]:
             if p.poll() is not None:
-                return f"the engine's {p.args[3]} process exited with code {p.returncode}"
+                return f"the engine's {_role(p)} process exited with code {p.returncode}"
         return None
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -72,3 +134,8 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def _role(p: subprocess.Popen) -> str:
+    """scheduler, worker or router: the subcommand it was started with."""
+    return p.args[3]

@@ -73,8 +73,6 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
             ("swap", "recompute"), "expected swap or recompute"),
     _notice("--disable-sliding-window", SWITCH, "sliding-window models already serve contexts up to their window"),
     _notice("--enable-prompt-tokens-details", SWITCH, "usage always carries prompt_tokens_details.cached_tokens"),
-    _notice("--prefix-caching-hash-algo", VALUE, "blocks are keyed by their tokens and their parent block",
-            ("builtin", "sha256", "sha256_cbor"), "expected builtin, sha256 or sha256_cbor"),
     _notice("--lora-extra-vocab-size", VALUE, "adapters that add vocabulary are refused when they load"),
     _notice("--distributed-executor-backend", VALUE, "tensor-parallel ranks always run as processes ('mp')",
             ("mp",), "only multiprocessing ('mp') is available; Ray is not"),

@@ -4,6 +4,9 @@ from __future__ import annotations
 from typing import Any
 
 
+RETRY_AFTER_S = 5      # a restarted engine is usually serving again within a few seconds
+
+
 class APIError(Exception):
     """An error answered to the client as `{"error": {message, type, param, code}}` with `status`."""
 
@@ -13,6 +16,8 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or default_error_type(status)
         self.headers = headers or {}
+        if status == 503:       # the engine is starting, restarting or draining: worth a retry soon
+            self.headers.setdefault("Retry-After", str(RETRY_AFTER_S))
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from router.api_error import RETRY_AFTER_S
 from router.config import RouterConfig
 from router.cors import CORSConfig, add_response_headers, cors_middleware
 from router.engine_client import EngineClient
@@ -165,11 +166,9 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return json_response({"status": "ok"})
-
-
-async def ping(request: web.Request) -> web.Response:
-    """SageMaker's health check, as vLLM answers it: 200 unless the engine is dead."""
+    """Liveness, as vLLM's /health and SageMaker's /ping: 200 while starting, warming up or draining, 503
+    (with Retry-After) once the engine is dead or its scheduler has stopped answering, so a supervisor or
+    a load balancer sees the death and the restart. /ready covers warm-up too."""
     dead = request.app[STATE].client.dead_reason
     if dead is not None:
         raise APIError(503, f"the engine is unavailable: {dead}", code="engine_dead")
@@ -180,7 +179,7 @@ async def ready(request: web.Request) -> web.Response:
     reason = request.app[STATE].not_ready_reason()
     if reason is None:
         return json_response({"status": "ready"})
-    return json_response({"status": "unavailable", "reason": reason}, 503)
+    return json_response({"status": "unavailable", "reason": reason}, 503, {"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -263,7 +262,7 @@ def build_app(client: EngineClient, tokenizer: Any, model_name: str, *, api_key:
     add_tokenize_routes(app, lambda request: request.app[STATE])
     if docs:
         add_docs_routes(app, openapi_document(package_version(), allow_lora_updates, bool(keys)))
-    app.router.add_route("*", "/ping", ping)
+    app.router.add_route("*", "/ping", health)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

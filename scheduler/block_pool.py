@@ -8,12 +8,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from scheduler.block_hash import BlockHash
+
 
 @dataclass
 class Block:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: BlockHash | None = None
 
 
 class BlockPool:
@@ -24,7 +26,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[BlockHash, int] = {}  # block hash -> block id (a hit compares the tokens too)
 
     @property
     def num_free(self) -> int:
@@ -69,10 +71,10 @@ class BlockPool:
                     blk.block_hash = None
                 self.free_queue[bid] = None
 
-    def lookup(self, block_hash: int) -> int | None:
+    def lookup(self, block_hash: BlockHash) -> int | None:
         return self.cached.get(block_hash) if self.enable_caching else None
 
-    def cache_block(self, block_id: int, block_hash: int) -> None:
+    def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
         """Make a full, computed block findable by its chained hash (first writer wins)."""
         if not self.enable_caching:
             return
@@ -85,7 +87,7 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self.blocks[block_id].ref_cnt
 
-    def block_hash(self, block_id: int) -> int | None:
+    def block_hash(self, block_id: int) -> BlockHash | None:
         return self.blocks[block_id].block_hash
 
     def is_free(self, block_id: int) -> bool:

@@ -19,6 +19,7 @@ class SchedulerConfig:
     num_blocks: int = 1024
     num_host_blocks: int = 0
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"    # scheduler/block_hash.py
     max_waiting_requests: int = 4096
     max_waiting_tokens: int = 1 << 22
     speculative: bool = False                   # drafts may arrive from the workers' proposer
@@ -36,6 +37,7 @@ class SchedulerConfig:
                    block_size=engine.block_size, num_blocks=worker.num_blocks,
                    num_host_blocks=worker.num_host_blocks,
                    enable_prefix_caching=engine.enable_prefix_caching and worker.prefix_caching,
+                   prefix_caching_hash_algo=engine.prefix_caching_hash_algo,
                    max_waiting_requests=engine.max_waiting_requests,
                    max_waiting_tokens=engine.max_waiting_tokens, speculative=spec is not None,
                    spec_disable_by_batch_size=spec.disable_by_batch_size if spec else None,

@@ -46,9 +46,10 @@ class ZmqExecutor:
 
     def initialize(self, eos_token_ids: list[int]) -> WorkerInfo:
         deadline = time.monotonic() + self.startup_timeout
+        # a worker (re)connected to us says Hello; anything else is left over from the scheduler before us
         while len(self.identities) < self.num_workers:
             ident, msg = self._recv(deadline)
-            if isinstance(decode(msg), Hello):
+            if isinstance(decode(msg), Hello) and ident not in self.identities:
                 self.identities.append(ident)
         self.identities.sort()
         for ident in self.identities:
@@ -92,6 +93,8 @@ class ZmqExecutor:
             return None
         _, msg = self.sock.recv_multipart()
         out = decode(msg)
+        if not isinstance(out, ModelRunnerOutput):    # a Hello repeated by a worker's reconnection
+            return None
         self.submitted.pop(0)
         if out.error:
             raise WorkerDied(f"the worker failed a step: {out.error.strip().splitlines()[-1]}")

@@ -11,6 +11,7 @@ KV use stays bounded by the window. Such models run without prefix caching.
 from __future__ import annotations
 
 from common.kv_layout import NULL_BLOCK
+from scheduler.block_hash import DEFAULT_HASH_ALGO, BlockHasher
 from scheduler.block_pool import BlockPool
 from scheduler.sequence import Sequence
 
@@ -25,8 +26,9 @@ def _held(table: list[int]) -> list[int]:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0,
-                 group_windows: tuple[int | None, ...] = (None,)):
+                 group_windows: tuple[int | None, ...] = (None,), hash_algo: str = DEFAULT_HASH_ALGO):
         self.block_size = block_size
+        self.hasher = BlockHasher(hash_algo)
         self.group_windows = tuple(group_windows)
         self.num_groups = len(self.group_windows)
         windowed = any(w is not None for w in self.group_windows)
@@ -67,12 +69,16 @@ class KVCacheManager:
         """Longest run of cached full blocks prefixing the sequence, never covering its last token."""
         if not self.enable_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
-        hits = []
-        for h in seq.full_block_hashes(self.block_size, seq.num_tokens - 1):
+        hits: list[int] = []
+        prev = None
+        for h in seq.full_block_hashes(self.block_size, seq.num_tokens - 1, self.hasher):
             bid = self.pool.lookup(h)
-            if bid is None:
+            # equal digest, parent digest and tokens; and chained to the very block matched before, so
+            # the whole prefix matches (a colliding digest upstream cannot pass: block_hash.py)
+            if bid is None or (stored := self.pool.block_hash(bid)).parent_key is not prev:
                 break
             hits.append(bid)
+            prev = stored
         return hits
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
@@ -101,6 +107,7 @@ class KVCacheManager:
             self.pool.incref(list(computed_blocks))
             table.extend(computed_blocks)
             self.num_hashed[seq.seq_id] = len(computed_blocks)
+            seq.adopt_cached_keys([self.pool.block_hash(b) for b in computed_blocks])
         copies = []
         if cow:
             new_ids = self.pool.allocate(len(cow))
@@ -143,7 +150,7 @@ class KVCacheManager:
             return True
         if block.block_hash is None:
             return False
-        hashes = seq.full_block_hashes(self.block_size, seq.num_tokens)
+        hashes = seq.full_block_hashes(self.block_size, seq.num_tokens, self.hasher)
         return index >= len(hashes) or hashes[index] != block.block_hash
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -152,7 +159,7 @@ class KVCacheManager:
             return
         table = self.tables[seq.seq_id]
         # an in-flight sample's id is not known yet: only blocks of known tokens can be hashed
-        hashes = seq.full_block_hashes(self.block_size, min(seq.num_computed_tokens, seq.num_tokens))
+        hashes = seq.full_block_hashes(self.block_size, min(seq.num_computed_tokens, seq.num_tokens), self.hasher)
         done = self.num_hashed.get(seq.seq_id, 0)
         for i in range(done, min(len(hashes), len(table))):
             self.pool.cache_block(table[i], hashes[i])

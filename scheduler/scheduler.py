@@ -26,7 +26,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, eos_token_ids: list[int] | None = None):
         self.config = config
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 config.num_host_blocks, config.kv_group_windows)
+                                 config.num_host_blocks, config.kv_group_windows, config.prefix_caching_hash_algo)
         self.eos_token_ids = frozenset(eos_token_ids or [])
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import zmq
 
@@ -31,7 +33,10 @@ PIPELINE_DEPTH = 2
 
 
 class SchedulerProcess:
-    def __init__(self, config: EngineConfig, frontend: str, workers: str, num_workers: int = 1):
+    def __init__(self, config: EngineConfig, frontend: str, workers: str, num_workers: int = 1,
+                 ready_file: str | None = None):
+        self.ready_file = ready_file
+        self.exit_code = 0
         self.ctx = zmq.Context()
         self.front = self.ctx.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.LINGER, 0)
@@ -97,6 +102,8 @@ class SchedulerProcess:
         while self.core.has_unfinished():
             self.core.step()
         self.ready = True
+        if self.ready_file:
+            Path(self.ready_file).touch()     # tells the supervisor (pagedserve serve) this engine came up
         log.info("warm-up done in %.2fs; ready", time.perf_counter() - t0)
 
     # ---- routers -----------------------------------------------------------------------------
@@ -172,14 +179,19 @@ class SchedulerProcess:
 
     # ---- health and stats --------------------------------------------------------------------
     def _die(self, reason: str) -> None:
-        """A worker is gone: fail every request at once and report dead until stopped."""
-        log.error("engine dead: %s", reason)
+        """A worker is gone: fail every request at once, tell the routers (their /health turns 503), and
+        exit non-zero. The block pool mirrors caches that no longer exist, so the way back is a fresh
+        scheduler: `pagedserve serve` (or docker's restart policy) starts one, and the workers that are
+        still alive say Hello to it (gpu_worker/worker.py)."""
+        log.error("engine dead: %s; exiting for a restart", reason)
         self.dead = reason
         self.inflight = []
         ids = list(self.sched.groups)
         self.sched.abort_requests(ids)
         self._route([EngineOutput(rid, -1, [], finish_reason="error", error=f"engine failure: {reason}")
                      for rid in ids])
+        self._broadcast_stats(time.monotonic())
+        self.stopping, self.exit_code = True, 1
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -255,6 +267,10 @@ def _adapter_names(seqs) -> list[str]:
     return sorted({s.lora.name for s in seqs if s.lora is not None})
 
 
-def run_scheduler(config: EngineConfig, frontend: str, workers: str, num_workers: int = 1) -> None:
+def run_scheduler(config: EngineConfig, frontend: str, workers: str, num_workers: int = 1,
+                  ready_file: str | None = None) -> None:
+    """Runs until SIGTERM (exit 0) or a worker's death (exit 1, after failing every request)."""
     die_with_parent()
-    SchedulerProcess(config, frontend, workers, num_workers).run()
+    proc = SchedulerProcess(config, frontend, workers, num_workers, ready_file)
+    proc.run()
+    sys.exit(proc.exit_code)

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.sampling_params import SamplingParams
+from scheduler.block_hash import BlockHash, BlockHasher
 from scheduler.lora_registry import LoRAAdapter
 
 
@@ -18,11 +19,6 @@ class Status(enum.Enum):
     RUNNING = "running"
     SWAPPED = "swapped"
     FINISHED = "finished"
-
-
-def hash_block(parent: int | None, tokens: list[int]) -> int:
-    """Chained block hash: a block's identity includes every token before it."""
-    return hash((parent, tuple(tokens)))
 
 
 def seq_id_of(request_id: str, index: int) -> str:
@@ -54,7 +50,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
     first_scheduled_time: float | None = None
     lora: LoRAAdapter | None = None      # the adapter it runs under; None: the base model
     # the earliest token whose sliding windows must keep their blocks: an n > 1 parent keeps its last
@@ -86,21 +82,27 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def full_block_hashes(self, block_size: int, num_tokens: int) -> list[int]:
-        """Hashes of the full blocks within the first num_tokens tokens, extended incrementally."""
+    def full_block_hashes(self, block_size: int, num_tokens: int, hasher: BlockHasher) -> list[BlockHash]:
+        """Hashes of the full blocks within the first num_tokens tokens, extended incrementally. The chain
+        starts from the adapter's root, so blocks computed under different adapters (or none) are never
+        shared, and blocks under the same one are."""
         want = num_tokens // block_size
         if len(self.block_hashes) < want:
             tokens = self.all_token_ids
-            parent = self.block_hashes[-1] if self.block_hashes else self._hash_root()
+            parent = (self.block_hashes[-1] if self.block_hashes
+                      else hasher.root(None if self.lora is None else self.lora.key))
             for b in range(len(self.block_hashes), want):
-                parent = hash_block(parent, tokens[b * block_size:(b + 1) * block_size])
+                parent = hasher(parent, tokens[b * block_size:(b + 1) * block_size])
                 self.block_hashes.append(parent)
         return self.block_hashes[:want]
 
-    def _hash_root(self) -> int | None:
-        """What the first block's hash chains from: the adapter's key, so blocks computed under different
-        adapters (or none) are never shared, and blocks under the same one are."""
-        return None if self.lora is None else hash(("lora", self.lora.key))
+    def adopt_cached_keys(self, stored: list[BlockHash]) -> None:
+        """Take the prefix cache's own key objects for the blocks it served, so that the blocks this
+        sequence caches next link to them by identity (block_hash.py) and later walks can pass through."""
+        n = len(stored)
+        self.block_hashes[:n] = stored
+        if len(self.block_hashes) > n:
+            self.block_hashes[n].parent_key = stored[-1]
 
     def check_stop(self, max_model_len: int) -> bool:
         """Apply stop conditions that need no text (stop strings are the detokenizer's job)."""

@@ -13,7 +13,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from common.sampling_params import SamplingParams
 from scheduler.block_pool import BlockPool
 from scheduler.kv_cache_manager import KVCacheManager, cdiv
-from scheduler.sequence import Sequence, hash_block
+from scheduler import block_hash
+from scheduler.block_hash import BlockHasher
+from scheduler.sequence import Sequence
 
 pytestmark = pytest.mark.unit
 
@@ -245,10 +247,11 @@ def test_chained_hashes_a_different_earlier_block_changes_every_later_hash() -> 
     compute(kv, a, 9)
     b = make_req("b", [0, 2, 3, 4, 5, 6, 7, 8, 9])   # block 1 holds the same tokens, block 0 differs
     assert kv.get_computed_blocks(b) == []
-    ha, hb = a.full_block_hashes(4, 8), b.full_block_hashes(4, 8)
-    assert ha[1] != hb[1]
-    assert ha[0] == hash_block(None, [1, 2, 3, 4])
-    assert ha[1] == hash_block(ha[0], [5, 6, 7, 8])
+    ha, hb = a.full_block_hashes(4, 8, kv.hasher), b.full_block_hashes(4, 8, kv.hasher)
+    assert ha[1] != hb[1] and ha[1].digest != hb[1].digest
+    hasher = BlockHasher("sha256")
+    assert ha[0] == hasher(b"", [1, 2, 3, 4])
+    assert ha[1] == hasher(ha[0].digest, [5, 6, 7, 8])
     c = make_req("c", [1, 2, 3, 4, 0, 6, 7, 8, 9])   # differs in block 1 only: block 0 still hits
     assert kv.get_computed_blocks(c) == kv.table("a")[:1]
 
@@ -646,3 +649,52 @@ class KVCacheMachine(RuleBasedStateMachine):
 KVCacheMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=60, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
 TestKVCacheManagerProperties = KVCacheMachine.TestCase
+
+
+# ---- cache keys (issue #14): a digest collision must never share KV ---------------------------------
+
+def _colliding(monkeypatch) -> None:
+    """Every block digest becomes the same 32 bytes: the worst collision an attacker could craft."""
+    monkeypatch.setattr(block_hash, "_digest_fn", lambda algo: (lambda data: b"\x00" * 32))
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "blake2b"])
+def test_every_hash_algo_hits_the_same_tokens_and_misses_others(algo: str) -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4, hash_algo=algo)
+    a = make_req("a", list(range(9)))
+    compute(kv, a, 9)
+    assert kv.get_computed_blocks(make_req("same", list(range(9)))) == kv.table("a")[:2]
+    assert kv.get_computed_blocks(make_req("other", [9, *range(1, 9)])) == []
+
+
+def test_colliding_digests_never_share_blocks_and_the_same_tokens_still_hit(monkeypatch) -> None:
+    _colliding(monkeypatch)
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = make_req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    compute(kv, a, 9)
+    b = make_req("b", [4, 3, 2, 1, 8, 7, 6, 5, 9])      # every block's digest equals a's
+    assert b.full_block_hashes(4, 8, kv.hasher)[0].digest == a.full_block_hashes(4, 8, kv.hasher)[0].digest
+    assert kv.get_computed_blocks(b) == []
+    compute(kv, b, 9)                                     # b's own blocks are cached beside a's
+    assert set(kv.table("b")[:2]).isdisjoint(kv.table("a"))
+    assert kv.get_computed_blocks(make_req("a2", a.prompt_token_ids)) == kv.table("a")[:2]
+    assert kv.get_computed_blocks(make_req("b2", b.prompt_token_ids)) == kv.table("b")[:2]
+    # same tokens in block 1 behind a different block 0: the parent digest is compared too
+    c = make_req("c", [1, 2, 3, 4, 8, 7, 6, 5, 9])
+    assert kv.get_computed_blocks(c) == kv.table("a")[:1]
+
+
+def test_a_collision_under_another_adapter_does_not_share(monkeypatch) -> None:
+    _colliding(monkeypatch)
+    hasher = BlockHasher()
+    base, lora = hasher(hasher.root(None), [1, 2, 3, 4]), hasher(hasher.root(7), [1, 2, 3, 4])
+    assert base.digest == lora.digest and base != lora      # the roots differ, so the keys do
+
+
+def test_the_digest_is_sha256_over_parent_and_tokens() -> None:
+    import hashlib
+    from array import array
+    h = BlockHasher("sha256")(b"", [5, 6])
+    assert h.digest == hashlib.sha256(b"\x00" + array("q", [5, 6]).tobytes()).digest()
+    a, b = BlockHasher("blake2b"), BlockHasher("blake2b")
+    assert a(b"", [5, 6]).digest != b(b"", [5, 6]).digest   # keyed per hasher (per process)

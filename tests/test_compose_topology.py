@@ -371,7 +371,7 @@ def test_zmq_ports_are_declared_but_not_published() -> None:
 def test_healthchecks_and_dependencies() -> None:
     services = compose()["services"]
     for r in ROUTERS:
-        assert "/ready" in " ".join(services[r]["healthcheck"]["test"])
+        assert "/health" in " ".join(services[r]["healthcheck"]["test"])     # 503 while the engine is dead
         assert depends_on(services[r])["scheduler"]["condition"] == "service_healthy"
         assert depends_on(services[r])["worker"]["condition"] == "service_healthy"
         assert command_of(services[r])[0] == "router"

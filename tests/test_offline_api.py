@@ -341,3 +341,22 @@ def test_generation_config_defaults_when_no_params_are_given(tiny: Tiny, greedy:
     assert llm.get_default_sampling_params().max_tokens == 5
     out = llm.generate({"prompt_token_ids": tiny.prompt}, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == greedy.token_ids[:5]
+
+
+def test_colliding_block_digests_never_serve_another_prompts_kv(tiny: Tiny, monkeypatch) -> None:
+    """Issue #14: every block digest forced to one value (a forged collision). A second prompt whose
+    blocks all collide with the first's must get no cached tokens and its own output (as computed with
+    prefix caching off); the first prompt sent again still hits its blocks and reproduces its output."""
+    from scheduler import block_hash
+    monkeypatch.setattr(block_hash, "_digest_fn", lambda algo: (lambda data: b"\x5a" * 32))
+    llm = LLM(model=str(tiny.folder), dtype="float32", kv_cache_memory=0.02, swap_space=0, block_size=16)
+    a = tiny.tokenizer.encode(" ".join(OTHER_TEXTS[:3]))[:40]
+    b = list(reversed(a))           # the same tokens, so the same length, in other blocks
+    ref = LLM(model=str(tiny.folder), dtype="float32", kv_cache_memory=0.02, swap_space=0, block_size=16,
+              enable_prefix_caching=False)
+    want_a, want_b = (run(ref, p, max_tokens=8, temperature=0).outputs[0].token_ids for p in (a, b))
+    first, second, again = (run(llm, p, max_tokens=8, temperature=0) for p in (a, b, a))
+    assert second.num_cached_tokens == 0
+    assert again.num_cached_tokens == 32
+    assert first.outputs[0].token_ids == want_a == again.outputs[0].token_ids
+    assert second.outputs[0].token_ids == want_b

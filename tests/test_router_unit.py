@@ -702,3 +702,21 @@ def test_drain_refuses_new_work_then_aborts_stragglers(tok):
         assert (await post(client, "/v1/completions", {"prompt": "Hi"})).status == 503
         assert (await client.get("/health")).status == 200
     run_http(tok, scenario, engine=FakeEngine(tok, step_s=0.01))
+
+
+def test_health_is_503_with_retry_after_once_the_engine_is_dead(tok):
+    """Issue #14: liveness follows the engine, so a supervisor and a load balancer see a death."""
+    async def scenario(client, engine, app):
+        assert (await client.get("/health")).status == 200
+        engine.dead_reason = "a worker process disconnected"
+        r = await client.get("/health")
+        assert r.status == 503 and r.headers["Retry-After"] == "5"
+        assert "a worker process disconnected" in (await r.json())["error"]["message"]
+        r = await post(client, "/v1/completions", {"prompt": "Hi"})
+        assert r.status == 503 and r.headers["Retry-After"] == "5"
+        assert (await r.json())["error"]["code"] == "not_ready"
+        r = await client.get("/ready")
+        assert r.status == 503 and r.headers["Retry-After"] == "5"
+        engine.dead_reason = None          # the restarted engine answers again
+        assert (await client.get("/health")).status == 200
+    run_http(tok, scenario)

@@ -77,6 +77,15 @@ def test_a_bad_dtype_is_an_error(capsys, value):
     assert "--dtype" in err and "bfloat16" in err
 
 
+def test_prefix_caching_hash_algo_is_a_real_flag(capsys):
+    args, notices = parse("--prefix-caching-hash-algo", "blake2b")
+    assert not notices and cli.engine_config(args).prefix_caching_hash_algo == "blake2b"
+    flags = cli.engine_flags(args)
+    assert flags[flags.index("--prefix-caching-hash-algo") + 1] == "blake2b"
+    err = refused(capsys, "--prefix-caching-hash-algo", "builtin")   # the unkeyed hash of CVE-2025-25183
+    assert "--prefix-caching-hash-algo" in err and "sha256" in err
+
+
 def test_a_bad_dtype_exits_2_within_5_seconds():
     """The whole command, as a user runs it: nothing starts, the flag is named."""
     t0 = time.monotonic()

@@ -43,6 +43,15 @@ class LoRAManager:
                                           # may still carry their rows (keys are never reused)
         self.host: OrderedDict[int, AdapterTensors] = OrderedDict()
 
+    def reset(self) -> None:
+        """Empty every slot and the host copies: a restarted scheduler numbers its adapters from 1 again."""
+        for slot in range(self.max_loras):
+            for layer in self.layers.values():
+                layer.method.fill_slot(layer, slot, {})
+        self.slot_of.clear()
+        self.failed.clear()
+        self.host.clear()
+
     # ---- slots -------------------------------------------------------------------------------
     def load(self, loads: list[tuple[int, int, str]]) -> dict[int, str]:
         """Fill each (slot, key, folder): the adapter that held the slot is gone from it. An adapter this
