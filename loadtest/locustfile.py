@@ -14,17 +14,25 @@ reports custom metrics through `events.request.fire`, so they show up in locust'
 A request fails if the stream is malformed: chunk ids that differ, a choice with no or several
 finish_reasons, no `data: [DONE]` at the end, or data after it, or no usage chunk.
 
-Environment: LOADTEST_WORKLOAD (path, default the shared workload), LOADTEST_MAX_TOKENS (cap max_tokens),
+`SoakUser` (choose it by name: `locust -f loadtest/locustfile.py SoakUser ...`; loadtest/soak.py drives it)
+is the issue-#14 soak client: a mix of streaming and non-streaming requests on both routes, 10% cancelled
+mid-stream, 5% malformed bodies (each must be a 400 with an OpenAI error), and 429s counted, not failed.
+Any 5xx, or any other status than the ones expected, is a failure named "HTTP <status>".
+
+Environment: LOADTEST_WORKLOAD (path; default the shared workload, else the packaged soak_workload.jsonl), LOADTEST_MAX_TOKENS (cap max_tokens),
 LOADTEST_IGNORE_EOS (default 1: produce exactly max_tokens), LOADTEST_MODEL (model name to send),
 LOADTEST_API_KEY (bearer token), LOADTEST_ENDPOINTS (comma list: completions,chat).
 """
 from __future__ import annotations
 
+import http.client
 import itertools
 import json
 import os
+import random
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +41,12 @@ from locust import User, between, events, task  # first: locust monkey-patches t
 import requests  # noqa: I001
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # `locust -f` does not put the repo on the path
-from loadtest.workload import load_workload  # noqa: E402
+from loadtest.workload import PACKAGED_WORKLOAD, default_workload_path, load_workload  # noqa: E402
 
 _cap = os.environ.get("LOADTEST_MAX_TOKENS")
-WORKLOAD = load_workload(os.environ.get("LOADTEST_WORKLOAD") or None,
-                         max_tokens_cap=int(_cap) if _cap else None)
+_path = os.environ.get("LOADTEST_WORKLOAD") or (default_workload_path() if default_workload_path().exists()
+                                                 else PACKAGED_WORKLOAD)
+WORKLOAD = load_workload(_path, max_tokens_cap=int(_cap) if _cap else None)
 IGNORE_EOS = os.environ.get("LOADTEST_IGNORE_EOS", "1") not in ("0", "false", "no")
 MODEL = os.environ.get("LOADTEST_MODEL")
 API_KEY = os.environ.get("LOADTEST_API_KEY")
@@ -49,8 +58,9 @@ class StreamShapeError(Exception):
     pass
 
 
-class StreamingUser(User):
-    """A client that streams and times every chunk itself (so it owns the events it reports)."""
+class _Client(User):
+    """What both users share: a requests session (with the API key) and the checked, timed stream."""
+    abstract = True
     wait_time = between(0, 0.1)
 
     def on_start(self) -> None:
@@ -60,18 +70,6 @@ class StreamingUser(User):
 
     def on_stop(self) -> None:
         self.session.close()
-
-    @task
-    def completion(self) -> None:
-        if "completions" in ENDPOINTS:
-            r = WORKLOAD[next(_next) % len(WORKLOAD)]
-            self._stream("/v1/completions", {"prompt": r.prompt_token_ids}, r.max_tokens)
-
-    @task
-    def chat(self) -> None:
-        if "chat" in ENDPOINTS:
-            r = WORKLOAD[next(_next) % len(WORKLOAD)]
-            self._stream("/v1/chat/completions", {"messages": r.messages}, r.max_tokens)
 
     def _stream(self, path: str, body: dict[str, Any], max_tokens: int) -> None:
         body = {**body, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -111,6 +109,103 @@ class StreamingUser(User):
                 for a, b in zip(stats.times, stats.times[1:]):
                     fire("ITL", name, (b - a) * 1e3, 0)
             fire("TOKENS", name, stats.completion_tokens or 0, stats.completion_tokens or 0)
+
+
+class StreamingUser(_Client):
+    """A client that streams and times every chunk itself (so it owns the events it reports)."""
+
+    @task
+    def completion(self) -> None:
+        if "completions" in ENDPOINTS:
+            r = WORKLOAD[next(_next) % len(WORKLOAD)]
+            self._stream("/v1/completions", {"prompt": r.prompt_token_ids}, r.max_tokens)
+
+    @task
+    def chat(self) -> None:
+        if "chat" in ENDPOINTS:
+            r = WORKLOAD[next(_next) % len(WORKLOAD)]
+            self._stream("/v1/chat/completions", {"messages": r.messages}, r.max_tokens)
+
+
+# malformed bodies of the soak: each must be answered 400 with an OpenAI error body
+MALFORMED: tuple[bytes, ...] = (b"{not json", b"[]", b'{"prompt": 5}', b'{"messages": [{"role": {}}]}',
+                                b'{"prompt": "x", "max_tokens": -1}', b'{"prompt": "x", "n": 1000}',
+                                b'{"messages": "hi"}', b'{"prompt": "x", "temperature": "hot"}')
+
+
+class SoakUser(_Client):
+    """The soak's client: 45% non-streaming, 40% streaming, 10% streams cancelled after two text chunks, 5%
+    malformed bodies; completions and chat alternate. Every user draws from its own seeded generator."""
+    _users = itertools.count()
+
+    def on_start(self) -> None:
+        super().on_start()
+        self.rng = random.Random(next(self._users))
+
+    @task
+    def one(self) -> None:
+        r = WORKLOAD[next(_next) % len(WORKLOAD)]
+        chat = self.rng.random() < 0.5
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        body: dict[str, Any] = {"messages": r.messages} if chat else {"prompt": r.prompt_token_ids}
+        body.update(max_tokens=r.max_tokens, temperature=0, ignore_eos=True, **({"model": MODEL} if MODEL else {}))
+        roll = self.rng.random()
+        if roll < 0.05:
+            self._expect(path, "MALFORMED", lambda: self.session.post(self.host + path, timeout=60,
+                                                                        data=self.rng.choice(MALFORMED)), 400)
+        elif roll < 0.15:
+            self._cancelled(path, body)
+        elif roll < 0.55:
+            self._stream(path, body, r.max_tokens)
+        else:
+            self._expect(path, "FULL", lambda: self.session.post(self.host + path, json=body, timeout=600), 200,
+                         r.max_tokens)
+
+    def _expect(self, path: str, kind: str, send, status: int, tokens: int | None = None) -> None:
+        t0 = time.perf_counter()
+        exc: Exception | None = None
+        try:
+            resp = send()
+            if resp.status_code == 429:
+                fire("429", path, (time.perf_counter() - t0) * 1e3, len(resp.content))
+                return
+            if resp.status_code != status:
+                raise StreamShapeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+            data = resp.json()
+            if status == 400 and set(data.get("error", {})) != {"message", "type", "param", "code"}:
+                raise StreamShapeError(f"a 400 without an OpenAI error body: {resp.text[:200]}")
+            if tokens is not None and data["usage"]["completion_tokens"] != tokens:
+                raise StreamShapeError(f"usage.completion_tokens {data['usage']['completion_tokens']} != {tokens}")
+        except Exception as e:   # noqa: BLE001 - reported to locust
+            exc = e
+        fire(kind, path, (time.perf_counter() - t0) * 1e3, 0, exc)
+
+    def _cancelled(self, path: str, body: dict[str, Any]) -> None:
+        """Stream on a connection of its own, and hang up after the second chunk with text: the server must
+        abort the request and free its blocks (the soak reads its abort count and KV usage after)."""
+        t0 = time.perf_counter()
+        exc: Exception | None = None
+        url = urllib.parse.urlsplit(self.host)
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
+        try:
+            conn.request("POST", path, json.dumps({**body, "stream": True}),
+                         {"Content-Type": "application/json", **dict(self.session.headers)})
+            resp = conn.getresponse()
+            if resp.status == 429:
+                fire("429", path, (time.perf_counter() - t0) * 1e3, 0)
+                return
+            if resp.status != 200:
+                raise StreamShapeError(f"HTTP {resp.status}: {resp.read(200)!r}")
+            seen = 0
+            while seen < 2 and (line := resp.readline()):
+                if line.startswith(b"data: {") and b'"error"' in line:
+                    raise StreamShapeError(f"error event: {line[:200]!r}")
+                seen += line.startswith(b"data: {")
+        except Exception as e:   # noqa: BLE001
+            exc = e
+        finally:
+            conn.close()
+        fire("CANCEL", path, (time.perf_counter() - t0) * 1e3, 0, exc)
 
 
 def fire(request_type: str, name: str, response_time: float, length: int, exc: Exception | None = None) -> None:

@@ -13,6 +13,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+# the first 24 requests of the shared workload, packaged for where the shared file is absent (a clean clone,
+# the Docker image): the locust scenarios fall back to it
+PACKAGED_WORKLOAD = Path(__file__).resolve().parent / "soak_workload.jsonl"
 QUICK_LIMIT = 12          # --quick: the first 12 requests ...
 QUICK_MAX_TOKENS = 32     # ... with max_tokens capped at 32
 

@@ -18,11 +18,13 @@ def parse_messages(v: Any) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object", "messages")
         role = m.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:      # a dict or list is not hashable
             raise bad(f"messages[{i}].role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}", "messages")
         msg = {"role": "system" if role == "developer" else role, "content": _content(m.get("content"), role, i)}
-        for key in ("name", "tool_call_id", "tool_calls"):
+        for key, kind in (("name", str), ("tool_call_id", str), ("tool_calls", list)):
             if m.get(key) is not None:
+                if not isinstance(m[key], kind):
+                    raise bad(f"messages[{i}].{key} must be a {'string' if kind is str else 'list'}", "messages")
                 msg[key] = m[key]
         out.append(msg)
     return out

@@ -23,36 +23,55 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 
 _INT, _NUM, _BOOL, _STR = {"type": "integer"}, {"type": "number"}, {"type": "boolean"}, {"type": "string"}
 _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
-_STOP = {"anyOf": [_STR, {"type": "array", "items": _STR}]}
+_PROMPT_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+_PROMPT_STR = {"type": "string", "minLength": 1}
+_STOP = {"anyOf": [{"type": "string", "minLength": 1, "maxLength": 256},
+                   {"type": "array", "maxItems": 16, "items": {"type": "string", "minLength": 1, "maxLength": 256}}]}
+_INT64 = {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}
 
-# Sampling fields both generation routes read (OpenAI's and vLLM's extra ones); JSON null means "not given"
+# Sampling fields both generation routes read (OpenAI's and vLLM's extra ones), with the ranges that
+# common/sampling_params.py enforces; JSON null means "not given"
 _SAMPLING: dict[str, Any] = {
     "model": _STR, "n": {"type": "integer", "minimum": 1, "maximum": 16},
-    "temperature": {"type": "number", "minimum": 0}, "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": _INT, "min_p": {"type": "number", "minimum": 0, "maximum": 1}, "seed": _INT,
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1}]},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1}, "seed": _INT64,
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
-    "logit_bias": {"type": "object", "additionalProperties": _NUM}, "stop": _STOP, "stop_token_ids": _IDS,
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
+    "logit_bias": {"type": "object", "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+    "stop": _STOP, "stop_token_ids": _IDS,
     "include_stop_str_in_output": _BOOL, "skip_special_tokens": _BOOL, "ignore_eos": _BOOL,
     "min_tokens": {"type": "integer", "minimum": 0}, "stream": _BOOL,
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}}, "user": _STR,
 }
+# stream_options only with "stream": true (as vLLM)
+_STREAM_OPTIONS_NEED_STREAM = {"if": {"required": ["stream_options"]},
+                               "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+_TEXT_PARTS = {"type": "array", "items": {
+    "type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": _STR}}}
 _MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-    "content": {"anyOf": [_STR, {"type": "null"}, {"type": "array", "items": {
-        "type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": _STR}}}]},
-    "name": _STR, "tool_call_id": _STR, "tool_calls": {"type": "array", "items": {"type": "object"}}}}
+    "content": {"anyOf": [_STR, {"type": "null"}, _TEXT_PARTS]},
+    "name": _STR, "tool_call_id": _STR, "tool_calls": {"type": "array", "items": {"type": "object"}}},
+    # only an assistant turn (one that called tools) may leave its content out or null
+    "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+    "then": {"required": ["content"], "properties": {"content": {"anyOf": [_STR, _TEXT_PARTS]}}}}
 _USAGE = {"type": "object", "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT,
                                            "prompt_tokens_details": _nullable({"type": "object"})}}
 
 SCHEMAS: dict[str, Any] = {
-    "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
-        **_SAMPLING, "prompt": {"anyOf": [_STR, {"type": "array", "items": _STR}, _IDS,
-                                          {"type": "array", "items": _IDS}]},
+    "CompletionRequest": {"type": "object", "required": ["prompt"], **_STREAM_OPTIONS_NEED_STREAM, "properties": {
+        **_SAMPLING, "prompt": {"anyOf": [_PROMPT_STR, {"type": "array", "minItems": 1, "items": _PROMPT_STR},
+                                          _PROMPT_IDS, {"type": "array", "minItems": 1, "items": _PROMPT_IDS}]},
         "max_tokens": {"type": "integer", "minimum": 1, "default": 16}, "echo": _BOOL,
         "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}},
-    "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
+    "ChatCompletionRequest": {"type": "object", "required": ["messages"], "allOf": [
+        _STREAM_OPTIONS_NEED_STREAM, {"if": {"required": ["top_logprobs"]},          # top_logprobs needs logprobs
+                                      "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}],
+        "properties": {
         **_SAMPLING, "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
         "max_tokens": {"type": "integer", "minimum": 1}, "max_completion_tokens": {"type": "integer", "minimum": 1},
         "logprobs": _BOOL, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}},
@@ -86,6 +105,10 @@ SCHEMAS: dict[str, Any] = {
 }
 
 
+# one server-sent event: its `data` is a JSON chunk (the response's shape, with deltas), or [DONE] last
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": _STR, "event": _STR}}
+
+
 def _json(schema: str) -> dict[str, Any]:
     return {"content": {"application/json": {"schema": _ref(schema)}}}
 
@@ -96,7 +119,7 @@ def _op(summary: str, response: str | None = None, request: str | None = None,
     if response:
         ok["content"] = {content_type: {"schema": _ref(response)}}
         if stream:
-            ok["content"]["text/event-stream"] = {"schema": _STR}
+            ok["content"]["text/event-stream"] = {"schema": _SSE_EVENT}
     elif content_type != "application/json":
         ok["content"] = {content_type: {"schema": _STR}}
     op: dict[str, Any] = {"summary": summary, "responses": {"200": ok, "default": {"description": "an error",

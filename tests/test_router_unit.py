@@ -720,3 +720,15 @@ def test_health_is_503_with_retry_after_once_the_engine_is_dead(tok):
         engine.dead_reason = None          # the restarted engine answers again
         assert (await client.get("/health")).status == 200
     run_http(tok, scenario)
+
+
+@pytest.mark.parametrize("message", [{"role": {}}, {"role": ["user"]}, {"role": "user", "content": "x", "name": {}},
+                                     {"role": "tool", "content": "x", "tool_call_id": 7},
+                                     {"role": "assistant", "content": None, "tool_calls": "call"}])
+def test_malformed_chat_messages_are_400s_not_500s(message):
+    """Found by the schemathesis run (tests/test_api_fuzz.py): an unhashable role was a TypeError (500)."""
+    from router.api_error import APIError
+    from router.chat_messages import parse_messages
+    with pytest.raises(APIError) as e:
+        parse_messages([message])
+    assert e.value.status == 400 and e.value.param == "messages"
