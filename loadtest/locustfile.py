@@ -14,10 +14,7 @@ reports custom metrics through `events.request.fire`, so they show up in locust'
 A request fails if the stream is malformed: chunk ids that differ, a choice with no or several
 finish_reasons, no `data: [DONE]` at the end, or data after it, or no usage chunk.
 
-`SoakUser` (choose it by name: `locust -f loadtest/locustfile.py SoakUser ...`; loadtest/soak.py drives it)
-is the issue-#14 soak client: a mix of streaming and non-streaming requests on both routes, 10% cancelled
-mid-stream, 5% malformed bodies (each must be a 400 with an OpenAI error), and 429s counted, not failed.
-Any 5xx, or any other status than the ones expected, is a failure named "HTTP <status>".
+The soak's client mix is loadtest/soak_locustfile.py, built on this file's `_Client`.
 
 Environment: LOADTEST_WORKLOAD (path; default the shared workload, else the packaged soak_workload.jsonl), LOADTEST_MAX_TOKENS (cap max_tokens),
 LOADTEST_IGNORE_EOS (default 1: produce exactly max_tokens), LOADTEST_MODEL (model name to send),
@@ -25,14 +22,11 @@ LOADTEST_API_KEY (bearer token), LOADTEST_ENDPOINTS (comma list: completions,cha
 """
 from __future__ import annotations
 
-import http.client
 import itertools
 import json
 import os
-import random
 import sys
 import time
-import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +62,16 @@ class _Client(User):
         if API_KEY:
             self.session.headers["Authorization"] = f"Bearer {API_KEY}"
 
+    backoff_on_429 = False     # sleep for the 429's Retry-After, as the OpenAI SDK does, before the next request
+
     def on_stop(self) -> None:
         self.session.close()
+
+    def shed(self, path: str, t0: float, retry_after: str | None) -> None:
+        """A request shed with 429: counted apart (not a failure, not latency), then the back-off if any."""
+        fire("429", path, (time.perf_counter() - t0) * 1e3, 0)
+        if self.backoff_on_429:
+            time.sleep(float(retry_after or 1))    # gevent's sleep: only this user waits
 
     def _stream(self, path: str, body: dict[str, Any], max_tokens: int) -> None:
         body = {**body, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -86,7 +88,7 @@ class _Client(User):
         try:
             with self.session.post(self.host + path, json=body, stream=True, timeout=600) as resp:
                 if resp.status_code == 429:
-                    fire("429", name, (time.perf_counter() - t0) * 1e3, len(resp.content))
+                    self.shed(name, t0, resp.headers.get("Retry-After"))
                     return
                 if resp.status_code != 200:
                     raise StreamShapeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
@@ -125,87 +127,6 @@ class StreamingUser(_Client):
         if "chat" in ENDPOINTS:
             r = WORKLOAD[next(_next) % len(WORKLOAD)]
             self._stream("/v1/chat/completions", {"messages": r.messages}, r.max_tokens)
-
-
-# malformed bodies of the soak: each must be answered 400 with an OpenAI error body
-MALFORMED: tuple[bytes, ...] = (b"{not json", b"[]", b'{"prompt": 5}', b'{"messages": [{"role": {}}]}',
-                                b'{"prompt": "x", "max_tokens": -1}', b'{"prompt": "x", "n": 1000}',
-                                b'{"messages": "hi"}', b'{"prompt": "x", "temperature": "hot"}')
-
-
-class SoakUser(_Client):
-    """The soak's client: 45% non-streaming, 40% streaming, 10% streams cancelled after two text chunks, 5%
-    malformed bodies; completions and chat alternate. Every user draws from its own seeded generator."""
-    _users = itertools.count()
-
-    def on_start(self) -> None:
-        super().on_start()
-        self.rng = random.Random(next(self._users))
-
-    @task
-    def one(self) -> None:
-        r = WORKLOAD[next(_next) % len(WORKLOAD)]
-        chat = self.rng.random() < 0.5
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-        body: dict[str, Any] = {"messages": r.messages} if chat else {"prompt": r.prompt_token_ids}
-        body.update(max_tokens=r.max_tokens, temperature=0, ignore_eos=True, **({"model": MODEL} if MODEL else {}))
-        roll = self.rng.random()
-        if roll < 0.05:
-            self._expect(path, "MALFORMED", lambda: self.session.post(self.host + path, timeout=60,
-                                                                        data=self.rng.choice(MALFORMED)), 400)
-        elif roll < 0.15:
-            self._cancelled(path, body)
-        elif roll < 0.55:
-            self._stream(path, body, r.max_tokens)
-        else:
-            self._expect(path, "FULL", lambda: self.session.post(self.host + path, json=body, timeout=600), 200,
-                         r.max_tokens)
-
-    def _expect(self, path: str, kind: str, send, status: int, tokens: int | None = None) -> None:
-        t0 = time.perf_counter()
-        exc: Exception | None = None
-        try:
-            resp = send()
-            if resp.status_code == 429:
-                fire("429", path, (time.perf_counter() - t0) * 1e3, len(resp.content))
-                return
-            if resp.status_code != status:
-                raise StreamShapeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
-            data = resp.json()
-            if status == 400 and set(data.get("error", {})) != {"message", "type", "param", "code"}:
-                raise StreamShapeError(f"a 400 without an OpenAI error body: {resp.text[:200]}")
-            if tokens is not None and data["usage"]["completion_tokens"] != tokens:
-                raise StreamShapeError(f"usage.completion_tokens {data['usage']['completion_tokens']} != {tokens}")
-        except Exception as e:   # noqa: BLE001 - reported to locust
-            exc = e
-        fire(kind, path, (time.perf_counter() - t0) * 1e3, 0, exc)
-
-    def _cancelled(self, path: str, body: dict[str, Any]) -> None:
-        """Stream on a connection of its own, and hang up after the second chunk with text: the server must
-        abort the request and free its blocks (the soak reads its abort count and KV usage after)."""
-        t0 = time.perf_counter()
-        exc: Exception | None = None
-        url = urllib.parse.urlsplit(self.host)
-        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
-        try:
-            conn.request("POST", path, json.dumps({**body, "stream": True}),
-                         {"Content-Type": "application/json", **dict(self.session.headers)})
-            resp = conn.getresponse()
-            if resp.status == 429:
-                fire("429", path, (time.perf_counter() - t0) * 1e3, 0)
-                return
-            if resp.status != 200:
-                raise StreamShapeError(f"HTTP {resp.status}: {resp.read(200)!r}")
-            seen = 0
-            while seen < 2 and (line := resp.readline()):
-                if line.startswith(b"data: {") and b'"error"' in line:
-                    raise StreamShapeError(f"error event: {line[:200]!r}")
-                seen += line.startswith(b"data: {")
-        except Exception as e:   # noqa: BLE001
-            exc = e
-        finally:
-            conn.close()
-        fire("CANCEL", path, (time.perf_counter() - t0) * 1e3, 0, exc)
 
 
 def fire(request_type: str, name: str, response_time: float, length: int, exc: Exception | None = None) -> None:

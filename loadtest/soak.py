@@ -1,4 +1,4 @@
-"""The soak (issue #14): `pagedserve serve` under a headless locust run of `SoakUser` (loadtest/locustfile.py)
+"""The soak (issue #14): `pagedserve serve` under a headless locust run of `SoakUser` (loadtest/soak_locustfile.py)
 for minutes, with the router's and the scheduler's resident memory sampled throughout.
 
     python -m loadtest.soak                                  # 10 minutes, 32 users, the default model
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             prefix = os.path.join(tmp, "soak")
             env = {**os.environ, "LOADTEST_WORKLOAD": str(workload), "LOADTEST_MAX_TOKENS": str(args.max_tokens)}
-            cmd = [sys.executable, "-m", "locust", "-f", str(REPO_ROOT / "loadtest" / "locustfile.py"), "SoakUser",
+            cmd = [sys.executable, "-m", "locust", "-f", str(REPO_ROOT / "loadtest" / "soak_locustfile.py"),
                    "--headless", "-u", str(args.users), "-r", str(args.users), "-t", f"{int(duration)}s",
                    "--host", srv.url, "--csv", prefix, "--only-summary", "--stop-timeout", "120"]
             lc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)

@@ -171,6 +171,10 @@ class KVCacheManager:
         self.pool.incref(_held(blocks))
         self.tables[child.seq_id] = blocks
         self.num_hashed[child.seq_id] = self.num_hashed.get(parent.seq_id, 0)
+        # the prompt's keys are the parent's very objects, so blocks the child caches later chain to them
+        shared = parent.block_hashes[:parent.num_prompt_tokens // self.block_size]
+        if shared:
+            child.adopt_cached_keys(shared)
         self.num_released[child.seq_id] = list(self.num_released.get(parent.seq_id, [0] * self.num_groups))
 
     def free(self, seq: Sequence) -> None:

@@ -698,3 +698,18 @@ def test_the_digest_is_sha256_over_parent_and_tokens() -> None:
     assert h.digest == hashlib.sha256(b"\x00" + array("q", [5, 6]).tobytes()).digest()
     a, b = BlockHasher("blake2b"), BlockHasher("blake2b")
     assert a(b"", [5, 6]).digest != b(b"", [5, 6]).digest   # keyed per hasher (per process)
+
+
+def test_a_forked_choices_continuation_is_found_behind_the_shared_prompt() -> None:
+    """n > 1: a choice's own blocks chain to the prompt's cached keys, so a later request continuing that
+    choice hits the prompt and the choice's block (the identity walk of get_computed_blocks)."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    parent = make_req("p", [1, 2, 3, 4, 5, 6, 7, 8])
+    compute(kv, parent, 8)
+    child = make_req("p#1", parent.prompt_token_ids)
+    kv.fork(parent, child)
+    child.num_computed_tokens = 8
+    child.output_token_ids = [9, 10, 11, 12]
+    compute(kv, child, 4)
+    later = make_req("later", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13])
+    assert kv.get_computed_blocks(later) == kv.table("p#1")[:3]
