@@ -181,8 +181,9 @@ class SchedulerProcess:
     def _die(self, reason: str) -> None:
         """A worker is gone: fail every request at once, tell the routers (their /health turns 503), and
         exit non-zero. The block pool mirrors caches that no longer exist, so the way back is a fresh
-        scheduler: `pagedserve serve` (or docker's restart policy) starts one, and the workers that are
-        still alive say Hello to it (gpu_worker/worker.py)."""
+        engine: the other ranks are told to stop too (a tensor-parallel group cannot heal a missing rank),
+        and `pagedserve serve` (or docker's restart policy) starts each process again. A scheduler that is
+        restarted alone finds its workers without this: they say Hello to it (gpu_worker/worker.py)."""
         log.error("engine dead: %s; exiting for a restart", reason)
         self.dead = reason
         self.inflight = []
