@@ -22,6 +22,7 @@ from gpu_worker import cpu_precision
 from gpu_worker.attention import (FP8_DTYPES, allocate_kv_cache, get_backend, index_copy_rows, kv_block_bytes,
                                   resolve_kv_cache_dtype)
 from gpu_worker.kernels import native
+from gpu_worker.layers.kv_rotation import kv_rotation
 from gpu_worker.lora import LoRAManager
 from gpu_worker.quantization.packed import GEMM_MAX_ROWS, PackedWeight
 from gpu_worker.sampler import build_sampling_batch, draw, logprob_records, prompt_logprobs
@@ -89,6 +90,7 @@ class ModelRunner:
             raise ValueError("a draft model reads the target's whole block table, and this model's sliding "
                              "windows release the blocks behind them; use the ngram method")
         self.proposer: Proposer | None = build_proposer(spec, self) if spec else None
+        self._rotate_fp8_kv()
         self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec else None
         self.spec_max_rows = self._spec_max_rows()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []     # one pair per cache slot of a group
@@ -136,6 +138,19 @@ class ModelRunner:
         if why and self.config.enable_prefix_caching:
             log.info("prefix caching is off: %s", why)
         return why is None
+
+    def _rotate_fp8_kv(self) -> None:
+        """An fp8 cache holds every head's q, k and v rotated (layers/kv_rotation.py): the same scores and
+        outputs, less rounding error. Not where a checkpoint gave the scales: they were measured unrotated."""
+        if self.kv_dtype not in FP8_DTYPES or not self.config.kv_cache_rotation:
+            return
+        models = [self.model] + ([self.proposer.model] if hasattr(self.proposer, "model") else [])
+        layers = [m for model in models for m in model.modules() if hasattr(m, "kv_rotation")]
+        for m in layers:
+            if self.config.calculate_kv_scales or (m.k_scale, m.v_scale) == (1.0, 1.0):
+                m.kv_rotation = kv_rotation(m.head_dim, self.device)
+        log.info("fp8 KV cache: %d of %d attention layers rotate q, k and v", sum(m.kv_rotation is not None
+                                                                                  for m in layers), len(layers))
 
     def _calibrate_kv_scales_on_first_step(self) -> None:
         """Every attention layer (draft model's included) takes its fp8 scales from the first real step,

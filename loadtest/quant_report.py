@@ -39,6 +39,8 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {   # row: (checkpoint, engine 
     f"awq g{GROUP} (RTN)": ("awq", dict(quantization="awq")),
     f"gptq g{GROUP} sym (RTN)": ("gptq", dict(quantization="gptq")),
     "fp8 KV cache (e4m3)": ("gguf", dict(quantization="none", kv_cache_dtype="fp8")),
+    "fp8 KV cache (e4m3, no rotation)": ("gguf", dict(quantization="none", kv_cache_dtype="fp8",
+                                                      kv_cache_rotation=False)),
     "fp8 KV cache (e4m3, calculated scales)": ("gguf", dict(quantization="none", kv_cache_dtype="fp8",
                                                             calculate_kv_scales=True)),
     "fp8 KV cache (e5m2)": ("gguf", dict(quantization="none", kv_cache_dtype="fp8_e5m2")),

@@ -61,12 +61,12 @@ def test_fp8_engine_variants_agree(variant, fp8_case):
         assert (st.num_swap_preemptions if variant == "swap" else st.num_recompute_preemptions) > 0
 
 
-# Measured here: e4m3 241 and e5m2 237 of 256 positions, 94.1% and 92.6%, e4m3 with --calculate-kv-scales
-# 245 (95.7%), a bf16 cache 256 (over all 10,178 prompt positions of the shared workload: 93.1%, 86.3% and
-# 99.9%; loadtest/quant_report.py, e4m3 93.1-93.3% across two runs). The issue asks for >= 97% with fp8: not met on this 135M model (e4m3
-# keeps 3 mantissa bits; no scale choice measured above 95.7%), so these bounds guard what we have, a
-# little below it.
-TOP1_FLOOR = {("fp8", False): 0.92, ("fp8_e5m2", False): 0.88, ("fp8", True): 0.94}
+# Measured here with the rotation (layers/kv_rotation.py): e4m3 247 and e5m2 232 of 256 positions, 96.5% and
+# 90.6%, e4m3 with --calculate-kv-scales 246 (96.1%); without it 94.1%, 92.6% and 95.7%. Over the first 24
+# shared-workload prompts (2,555 positions) e4m3 goes from 93.5% to 94.8%. The issue asks for >= 97% with
+# fp8: not met on this 135M model (e4m3 keeps 3 mantissa bits), so these bounds guard what we have, a little
+# below it.
+TOP1_FLOOR = {("fp8", False): 0.95, ("fp8_e5m2", False): 0.88, ("fp8", True): 0.94}
 
 
 @pytest.mark.slow
@@ -112,7 +112,8 @@ def test_calculated_kv_scales_come_from_the_first_forward_pass(tiny_model):
         k, v = seen["kv"]
         runs.append(([o.outputs[0].token_ids for o in out], attn.k_scale, attn.v_scale))
         assert attn.kv_calibration_max is None
-        assert attn.v_scale == pytest.approx(float(v.abs().max()) / 448, rel=1e-6)
+        rotated = v.reshape(v.shape[0], -1, attn.head_dim) @ attn.kv_rotation     # fp8 caches hold V rotated
+        assert attn.v_scale == pytest.approx(float(rotated.abs().max()) / 448, rel=1e-5)
         assert 0 < attn.k_scale != 1.0      # K is taken after rope, so not the raw projection's amax
     assert runs[0] == runs[1]
 

@@ -36,6 +36,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, gemma_norm) if c.qk_norm else None
         self.k_scale = self.v_scale = 1.0      # what an fp8 KV cache divides K and V by
         self.kv_calibration_max: float | None = None   # set: take the scales from the next forward pass
+        self.kv_rotation: torch.Tensor | None = None   # fp8 caches: layers/kv_rotation.py
 
     def load(self, param: str, tensor: torch.Tensor, shard: str = "") -> None:
         """The checkpoint's own tensors of this module are the fp8 KV cache scales (`self_attn.k_scale`,
@@ -63,12 +64,17 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rot.apply(q, k)
+        r = self.kv_rotation
+        if r is not None:         # the same orthogonal R on q, k and v: the scores and the output are unchanged
+            q, k, v = q @ r, k @ r, v @ r
         k_cache, v_cache = kv_cache
         if self.kv_calibration_max is not None:
             self._calibrate_kv_scales(k, v)
         backend.write_kv(k, v, k_cache, v_cache, meta, self.k_scale, self.v_scale)
         o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
                             window=self.window, softcap=self.softcap)
+        if r is not None:
+            o = o.reshape(t, self.num_heads, self.head_dim) @ r.T
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
