@@ -51,8 +51,9 @@ class SoakUser(_Client):
         body.update(max_tokens=r.max_tokens, temperature=0, ignore_eos=True, **({"model": MODEL} if MODEL else {}))
         roll = self.rng.random()
         if roll < 0.05:
-            self._expect(path, "MALFORMED", lambda: self.session.post(self.host + path, timeout=60,
-                                                                        data=self.rng.choice(MALFORMED)), 400)
+            self._expect(path, "MALFORMED", lambda: self.session.post(
+                self.host + path, data=self.rng.choice(MALFORMED), headers={"Content-Type": "application/json"},
+                timeout=60), 400)
         elif roll < 0.15:
             self._cancelled(path, body)
         elif roll < 0.55:
