@@ -144,11 +144,13 @@ class ModelRunner:
         outputs, less rounding error. Not where a checkpoint gave the scales: they were measured unrotated."""
         if self.kv_dtype not in FP8_DTYPES or not self.config.kv_cache_rotation:
             return
-        models = [self.model] + ([self.proposer.model] if hasattr(self.proposer, "model") else [])
-        layers = [m for model in models for m in model.modules() if hasattr(m, "kv_rotation")]
+        layers = [m for m in self._attention_modules() if hasattr(m, "kv_rotation")]
+        rotations: dict[int, torch.Tensor] = {}              # one matrix per head size, shared by the layers
         for m in layers:
             if self.config.calculate_kv_scales or (m.k_scale, m.v_scale) == (1.0, 1.0):
-                m.kv_rotation = kv_rotation(m.head_dim, self.device)
+                if m.head_dim not in rotations:
+                    rotations[m.head_dim] = kv_rotation(m.head_dim, self.device)
+                m.kv_rotation = rotations[m.head_dim]
         log.info("fp8 KV cache: %d of %d attention layers rotate q, k and v", sum(m.kv_rotation is not None
                                                                                   for m in layers), len(layers))
 
@@ -159,10 +161,14 @@ class ModelRunner:
             log.warning("--calculate-kv-scales has no effect: the KV cache is %s, not fp8", self.kv_dtype)
             return
         fmax = float(torch.finfo(self.kv_dtype).max)
-        models = [self.model] + ([self.proposer.model] if hasattr(self.proposer, "model") else [])
-        for m in (mod for model in models for mod in model.modules()):
+        for m in self._attention_modules():
             if hasattr(m, "kv_calibration_max"):
                 m.kv_calibration_max = fmax
+
+    def _attention_modules(self):
+        """Every module of the target model and of a draft model (whose cache has the same dtype)."""
+        models = [self.model] + ([self.proposer.model] if hasattr(self.proposer, "model") else [])
+        return (m for model in models for m in model.modules())
 
     def block_bytes(self) -> int:
         own = kv_block_bytes(self.model_config, self.block_size, self.kv_dtype, self.kv_layout.group_size)
