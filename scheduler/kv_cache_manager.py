@@ -171,9 +171,13 @@ class KVCacheManager:
         self.pool.incref(_held(blocks))
         self.tables[child.seq_id] = blocks
         self.num_hashed[child.seq_id] = self.num_hashed.get(parent.seq_id, 0)
-        # the prompt's keys are the parent's very objects, so blocks the child caches later chain to them
-        shared = parent.block_hashes[:parent.num_prompt_tokens // self.block_size]
-        if shared:
+        # the prompt's keys are the parent's very objects, so blocks the child caches later chain to them;
+        # only the blocks whose tokens the child really has (a child may hold a shorter prefix: a key for
+        # [1, 2, 3, 4] adopted by a child holding [1, 2, 3] would later name its [1, 2, 3, x] block)
+        n = min(parent.num_prompt_tokens, child.num_tokens) // self.block_size
+        upto = n * self.block_size
+        shared = parent.block_hashes[:n]
+        if shared and child.all_token_ids[:upto] == parent.all_token_ids[:upto]:
             child.adopt_cached_keys(shared)
         self.num_released[child.seq_id] = list(self.num_released.get(parent.seq_id, [0] * self.num_groups))
 

@@ -713,3 +713,26 @@ def test_a_forked_choices_continuation_is_found_behind_the_shared_prompt() -> No
     compute(kv, child, 4)
     later = make_req("later", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13])
     assert kv.get_computed_blocks(later) == kv.table("p#1")[:3]
+
+
+def test_a_fork_holding_a_shorter_prefix_does_not_take_the_parent_s_key_for_a_block_it_lacks() -> None:
+    """The parent's prompt [1..8] has a key for [1, 2, 3, 4]; a child forked after three tokens holds
+    [1, 2, 3] and samples 1000 at position 3. If it took the parent's key for block 0, its block
+    [1, 2, 3, 1000] would be cached as [1, 2, 3, 4] and served to the next [1..8] prompt (found by the
+    property test on CI)."""
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    parent = make_req("p", list(range(1, 9)))
+    assert kv.get_computed_blocks(parent) == []        # hashes the parent's prompt blocks
+    compute(kv, parent, 3)
+    child = make_req("p#1", [1, 2, 3])
+    child.num_computed_tokens = 2
+    kv.fork(parent, child)
+    compute(kv, child, 1)
+    child.output_token_ids.append(1000)
+    compute(kv, child, 1)
+    kv.cache_full_blocks(child)
+    kv.free(parent)
+    kv.free(child)
+    assert kv.get_computed_blocks(make_req("q", list(range(1, 9)))) == []
+    assert kv.get_computed_blocks(make_req("q2", [1, 2, 3, 1000, 5])) != []
+    kv.check_invariants()
