@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from common.model_source import ModelSource
-from gpu_worker.quantization.gguf import GGUFTensor
+from gpu_worker.quantization.gguf import GGUFTensor, unpermute_rope
 from gpu_worker.quantization.gguf_blocks import SUPPORTED as GGUF_SUPPORTED
 
 log = logging.getLogger(__name__)
@@ -58,12 +58,6 @@ def gguf_to_hf(name: str, arch: str = "llama") -> str | None:
     return None
 
 
-def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp interleaves q/k rows for its rope; undo it to get back HF's half-rotation layout."""
-    shape = w.shape
-    return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
-
-
 def _rope_heads(arch: str, source: ModelSource, name: str) -> int | None:
     """Heads whose rows llama.cpp interleaved for this tensor (Llama-architecture files), or None."""
     if arch != "llama":
@@ -96,14 +90,13 @@ def iter_gguf(source: ModelSource, keep_quantized: bool = False) -> Iterator[tup
         heads = _rope_heads(arch, source, name)
         if keep_quantized and t.tensor_type in GGUF_SUPPORTED and len(t.shape) == 2:
             raw = t.data.reshape(int(t.shape[1]), -1)
-            yield name, GGUFTensor(raw if heads is None else _unpermute_rope(raw, heads), t.tensor_type,
-                                   (int(t.shape[1]), int(t.shape[0])))
+            yield name, GGUFTensor(raw, t.tensor_type, (int(t.shape[1]), int(t.shape[0])), heads)
             continue
         if keep_quantized and t.tensor_type not in (T.F32, T.F16, T.BF16):
             expanded.add(f"{t.tensor_type.name}{' experts' if len(t.shape) == 3 else ''}")
         arr = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
         if heads is not None:
-            arr = _unpermute_rope(arr, heads)
+            arr = unpermute_rope(arr, heads)
         # a copy: F32 tensors are read-only memmaps
         yield name, torch.from_numpy(np.array(_to_hf_values(arch, name, arr), dtype=np.float32))
     if expanded:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -18,12 +19,14 @@ from common.model_source import ModelSource
 from common.protocol import Logprob, ModelRunnerOutput, NewSequenceData, SchedulerOutput, WorkerInfo
 from common.sampling_params import SamplingParams
 from common.speculative import SpeculativeConfig
+from common.tp_layout import check_config, head_shard
 from gpu_worker import cpu_precision
 from gpu_worker.attention import (FP8_DTYPES, allocate_kv_cache, get_backend, index_copy_rows, kv_block_bytes,
                                   resolve_kv_cache_dtype)
 from gpu_worker.kernels import native
 from gpu_worker.layers.kv_rotation import kv_rotation
 from gpu_worker.lora import LoRAManager
+from gpu_worker.parallel import tp
 from gpu_worker.quantization.packed import GEMM_MAX_ROWS, PackedWeight
 from gpu_worker.sampler import build_sampling_batch, draw, logprob_records, prompt_logprobs
 from gpu_worker.spec_decode import Proposer, build_proposer
@@ -60,6 +63,7 @@ class ModelRunner:
         self.config = config
         self.source = source or ModelSource.from_config(config, config.load_format != "dummy")
         self.model_config: ModelConfig = self.source.model_config()
+        self.kv_config = self._check_tensor_parallel(config)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.num_threads and self.device.type == "cpu":
@@ -96,6 +100,13 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []     # one pair per cache slot of a group
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: its slot's pair
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _check_tensor_parallel(self, config: EngineConfig) -> ModelConfig:
+        """Refuse what this rank's group cannot run, and say which heads its KV cache holds: the model
+        config with this rank's KV heads (common/tp_layout.py)."""
+        g, mc = tp(), self.model_config
+        check_config(replace(config, tensor_parallel_size=g.size), mc, self.source.quantization_config())
+        return replace(mc, num_kv_heads=head_shard(mc.num_heads, mc.num_kv_heads, g.size, g.rank).num_kv_heads)
 
     # ---- start-up ----------------------------------------------------------------------------
     def initialize(self, eos_token_ids: list[int]) -> WorkerInfo:
@@ -171,7 +182,7 @@ class ModelRunner:
         return (m for model in models for m in model.modules())
 
     def block_bytes(self) -> int:
-        own = kv_block_bytes(self.model_config, self.block_size, self.kv_dtype, self.kv_layout.group_size)
+        own = kv_block_bytes(self.kv_config, self.block_size, self.kv_dtype, self.kv_layout.group_size)
         return own + (self.proposer.block_bytes(self.block_size) if self.proposer else 0)
 
     def profile_num_blocks(self) -> tuple[int, int]:
@@ -205,7 +216,7 @@ class ModelRunner:
         self.kv_caches, self.layer_caches = saved
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
-        self.kv_caches, self.host_caches = allocate_kv_cache(self.model_config, num_blocks, num_host_blocks,
+        self.kv_caches, self.host_caches = allocate_kv_cache(self.kv_config, num_blocks, num_host_blocks,
                                                              self.block_size, self.kv_dtype, self.device,
                                                              self.kv_layout.group_size)
         self.layer_caches = [self.kv_caches[slot] for slot in self.kv_layout.layer_slot]

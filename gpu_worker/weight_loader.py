@@ -14,7 +14,9 @@ from common.config import LOAD_FORMATS
 from common.model_config import ModelConfig
 from common.model_source import ModelSource
 from gpu_worker.gguf_tensors import iter_gguf
-from gpu_worker.layers.linear import Linear
+from gpu_worker.layers.embedding import VocabEmbedding
+from gpu_worker.layers.linear import Linear, materialize
+from gpu_worker.parallel import tp
 from gpu_worker.quantization import resolve_quantization, set_linear_method
 from gpu_worker.quantization.checkpoint import CheckpointFormat, read_checkpoint_format
 from gpu_worker.quantization.packed import QuantizedTensor
@@ -62,12 +64,27 @@ def safetensor_names(folder: Path) -> list[str]:
     return names
 
 
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+class LazySlice:
+    """A safetensors tensor not read yet: a tensor-parallel rank reads only the rows or columns of its
+    shard (Linear._own_part), so no rank ever holds a whole sharded matrix."""
+
+    def __init__(self, view):
+        self.view = view
+        self.shape = tuple(view.get_shape())
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.view[index]
+
+    def materialize(self) -> torch.Tensor:
+        return self.view[:]
+
+
+def iter_safetensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | LazySlice]]:
     from safetensors import safe_open
     for path in _safetensor_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                yield key, LazySlice(f.get_slice(key)) if lazy else f.get_tensor(key)
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
@@ -127,7 +144,7 @@ def load_weights(model: torch.nn.Module, source: ModelSource, load_format: str =
     if source.kind == "gguf":
         tensors = iter_gguf(source, keep_quantized)
     else:
-        tensors = iter_safetensors(source.path)
+        tensors = iter_safetensors(source.path, lazy=tp().size > 1 and fmt is None)
         if fmt is not None:
             tensors = fmt.assemble(safetensor_names(source.path), tensors)
     modules = dict(model.named_modules())
@@ -141,6 +158,8 @@ def load_weights(model: torch.nn.Module, source: ModelSource, load_format: str =
             if module_path == "lm_head" and model.config.tie_word_embeddings:
                 continue
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+        if not isinstance(module, (Linear, VocabEmbedding)):     # only these two read a shard of it
+            tensor = materialize(tensor)
         if hasattr(module, "load"):
             try:
                 module.load(param, tensor, shard)

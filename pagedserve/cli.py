@@ -19,8 +19,9 @@ from common.lora import check_lora_config
 from common.model_source import ModelNotFound, ModelSource
 from common.sampling_params import SamplingParams
 from common.speculative import SpeculativeConfig
+from common.tp_layout import check_config
 from pagedserve.cli_args import add_config_args, config_flags, config_from_args
-from pagedserve.engine_processes import EngineProcesses, wait_all
+from pagedserve.engine_processes import EngineProcesses, Topology, usable_cpus, wait_all
 from pagedserve.vllm_flags import add_compat_args, check_compat
 from router.config import API_KEY_ENV, DEFAULT_FRONTEND, RouterConfig
 
@@ -116,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--router-replicas", "--api-server-count", type=int, default=1,
                        help="HTTP router processes sharing the port")
     add_compat_args(serve)
+    add_topology_args(serve)
 
     sched = sub.add_parser("scheduler", help="the scheduler process alone")
     add_model_args(sched)
@@ -127,14 +129,33 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="one worker process alone")
     add_model_args(worker)
     add_engine_args(worker)
-    worker.add_argument("--connect", default=DEFAULT_WORKERS, help="the scheduler's worker address")
-    worker.add_argument("--rank", type=int, default=0)
+    worker.add_argument("--connect", "--scheduler-addr", default=DEFAULT_WORKERS,
+                        help="the scheduler's worker address (serve's --scheduler-addr)")
+    worker.add_argument("--rank", type=int, default=0, help="this worker's tensor-parallel rank")
+    worker.add_argument("--world-size", dest="tensor_parallel_size", type=int, default=argparse.SUPPRESS,
+                        help="the tensor-parallel group's size (= --tensor-parallel-size)")
+    worker.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                        help="rank 0's TCP store, where the group's ranks meet (torch.distributed)")
 
     router = sub.add_parser("router", help="one HTTP router replica alone")
     add_model_args(router)
     add_router_args(router)
     add_log_level_arg(router)
     return parser
+
+
+def add_topology_args(p: argparse.ArgumentParser) -> None:
+    """Where serve's tensor-parallel ranks live. By default every rank runs here and every socket is IPC
+    or loopback; these flags open the control plane to other hosts, which must be on a private network:
+    the worker socket has no authentication."""
+    p.add_argument("--local-ranks", type=int, default=None,
+                   help="tensor-parallel ranks started on this machine (0 .. N-1; default: all); the others "
+                        "join with `pagedserve worker --rank R --world-size TP --scheduler-addr ... "
+                        "--dist-init-addr ...` on other hosts")
+    p.add_argument("--scheduler-addr", default=None, metavar="tcp://IP:PORT",
+                   help="where the scheduler listens for workers (default: an IPC socket of this machine)")
+    p.add_argument("--dist-init-addr", default=None, metavar="IP:PORT",
+                   help="rank 0's torch.distributed TCP store (default: 127.0.0.1 and a free port)")
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -156,6 +177,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
             parser.error(str(e))
     _check_lora_args(parser, args)
     _check_speculative_args(parser, args)
+    _check_tensor_parallel_args(parser, args, source)
     check_router_args(parser, args, source)
     return args, notices
 
@@ -185,6 +207,44 @@ def check_engine_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     for name in ("kv_cache_memory", "swap_space"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")
+
+
+def _check_tensor_parallel_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                                source: ModelSource) -> None:
+    """A group the model cannot be split into, more local ranks than cores or GPUs, or remote ranks that
+    could not reach this machine: exit 2 now, not as a hang in the ranks."""
+    size = getattr(args, "tensor_parallel_size", 1)
+    if size == 1:
+        return
+    try:
+        check_config(args, source.model_config(), source.quantization_config())
+    except ValueError as e:
+        parser.error(str(e))
+    if args.command == "worker":
+        if not 0 <= args.rank < size:
+            parser.error(f"--rank {args.rank} is outside a group of {size}")
+        if not args.dist_init_addr:
+            parser.error("a worker of a tensor-parallel group needs --dist-init-addr HOST:PORT")
+        return
+    if args.command != "serve":
+        return
+    local = size if args.local_ranks is None else args.local_ranks
+    if not 1 <= local <= size:
+        parser.error(f"--local-ranks must be in 1..{size}, got {local}")
+    have, what = (usable_cpus(), "CPU cores") if args.device == "cpu" or not _cuda() else (_cuda(), "GPUs")
+    if local > have:
+        parser.error(f"--tensor-parallel-size {size} needs {local} {what} on this machine for its ranks; "
+                     f"{have} are available")
+    if local < size:
+        if not (args.scheduler_addr or "").startswith("tcp://"):
+            parser.error("ranks on other hosts need --scheduler-addr tcp://IP:PORT that they can reach")
+        if not args.dist_init_addr or args.dist_init_addr.startswith(("127.", "localhost")):
+            parser.error("ranks on other hosts need --dist-init-addr IP:PORT of this machine that they can reach")
+
+
+def _cuda() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _check_speculative_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -256,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
         run_scheduler(engine_config(args), args.frontend, args.workers, args.tensor_parallel_size, args.ready_file)
     elif args.command == "worker":
         from gpu_worker.worker import run_worker
-        run_worker(engine_config(args), args.connect, args.rank)
+        run_worker(engine_config(args), args.connect, args.rank, args.dist_init_addr)
     elif args.command == "router":
         from common.process import die_with_parent
         from router.serve import run_router
@@ -270,7 +330,8 @@ def serve(args: argparse.Namespace) -> int:
     """Start every part as a child process and keep the engine alive: a scheduler or worker that exits
     after the engine came up is restarted with back-off (the routers answer 503 meanwhile, and serve
     again once the new engine is ready). Ctrl-C or SIGTERM drains the routers, then stops the rest."""
-    engine = EngineProcesses.start(args.model, engine_flags(args), args.num_threads, args.tensor_parallel_size)
+    engine = EngineProcesses.start(args.model, engine_flags(args), args.num_threads, args.tensor_parallel_size,
+                                   Topology(args.local_ranks, args.scheduler_addr, args.dist_init_addr))
     rc = router_config(args, frontend_address=engine.frontend)
     model = [args.model] if args.model else []
     routers = [engine.spawn(["router", *model, *router_flags(rc, args.log_level)], router_env(rc))

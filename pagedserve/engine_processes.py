@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,7 @@ class Backoff:
 class EngineProcesses:
     run_dir: str
     frontend: str                                   # the scheduler's address for routers and clients
+    workers: str = ""                               # the scheduler's address for the workers
     procs: list[subprocess.Popen] = field(default_factory=list)
     num_engine: int = 0                             # procs[:num_engine]: the scheduler and the workers
     commands: list[tuple[list[str], dict | None]] = field(default_factory=list)   # how procs[i] was started
@@ -47,20 +49,34 @@ class EngineProcesses:
     restarts: int = 0
 
     @classmethod
-    def start(cls, model: str | None, flags: list[str], num_threads: int | None,
-              tensor_parallel_size: int) -> "EngineProcesses":
+    def start(cls, model: str | None, flags: list[str], num_threads: int | None, tensor_parallel_size: int,
+              topology: "Topology | None" = None) -> "EngineProcesses":
         """`flags`: engine flags for both kinds of process (cli.engine_flags / config_flags)."""
-        run_dir = tempfile.mkdtemp(prefix="pagedserve-")
-        eng = cls(run_dir, f"ipc://{run_dir}/frontend.ipc")
-        workers = f"ipc://{run_dir}/workers.ipc"
-        args = [model] if model else []
-        eng.spawn(["scheduler", *args, *flags, "--frontend", eng.frontend, "--workers", workers,
-                   "--ready-file", eng.ready_file], {"OMP_NUM_THREADS": "1"})
-        for rank in range(tensor_parallel_size):
-            eng.spawn(["worker", *args, *flags, "--connect", workers, "--rank", str(rank)],
-                      {"OMP_NUM_THREADS": str(num_threads)} if num_threads else None)
-        eng.num_engine = len(eng.procs)
+        eng = cls.create(topology)
+        eng.spawn(["scheduler", *([model] if model else []), *flags, "--frontend", eng.frontend,
+                   "--workers", eng.workers, "--ready-file", eng.ready_file], {"OMP_NUM_THREADS": "1"})
+        eng.spawn_workers(model, flags, num_threads, tensor_parallel_size, topology)
         return eng
+
+    @classmethod
+    def create(cls, topology: "Topology | None" = None) -> "EngineProcesses":
+        run_dir = tempfile.mkdtemp(prefix="pagedserve-")
+        workers = topology.scheduler_addr if topology and topology.scheduler_addr else f"ipc://{run_dir}/workers.ipc"
+        return cls(run_dir, f"ipc://{run_dir}/frontend.ipc", workers)
+
+    def spawn_workers(self, model: str | None, flags: list[str], num_threads: int | None,
+                      tensor_parallel_size: int, topology: "Topology | None" = None) -> None:
+        """This machine's ranks, 0 .. local_ranks-1, each with its share of the cores unless num_threads
+        says otherwise (the offline API with tensor parallelism calls this alone)."""
+        topology = topology or Topology()
+        local = topology.local_ranks if topology.local_ranks is not None else tensor_parallel_size
+        group = ["--dist-init-addr", topology.dist_init_addr or f"127.0.0.1:{free_port()}"] \
+            if tensor_parallel_size > 1 else []
+        threads = num_threads or (max(1, usable_cpus() // max(1, local)) if tensor_parallel_size > 1 else None)
+        for rank in range(local):
+            self.spawn(["worker", *([model] if model else []), *flags, "--connect", self.workers,
+                        "--rank", str(rank), *group], {"OMP_NUM_THREADS": str(threads)} if threads else None)
+        self.num_engine = len(self.procs)
 
     def spawn(self, cli_args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         """`pagedserve CLI_ARGS` as a child, stopped with the others. The parent has resolved the model
@@ -124,6 +140,27 @@ class EngineProcesses:
                 p.send_signal(signal.SIGTERM)
         wait_all(self.procs, timeout)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+@dataclass
+class Topology:
+    """Where the ranks of a tensor-parallel group live. Defaults: all on this machine, every socket on
+    IPC or loopback. `local_ranks` < the group's size leaves the other ranks to `pagedserve worker` on
+    other hosts, which reach the scheduler at `scheduler_addr` (tcp://IP:PORT) and rank 0's TCP store at
+    `dist_init_addr` (IP:PORT)."""
+    local_ranks: int | None = None
+    scheduler_addr: str | None = None
+    dist_init_addr: str | None = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> None:

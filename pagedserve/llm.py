@@ -1,9 +1,11 @@
 """The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))` and `.chat(messages)`.
 
-It runs the same engine core as the server, with the model runner in this process.
+It runs the same engine core as the server, with the model runner in this process (with tensor
+parallelism, the ranks in worker processes: worker_executor.py).
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 from dataclasses import dataclass, fields
@@ -16,8 +18,10 @@ from common.model_source import ModelSource, eos_token_ids
 from common.output_processor import RequestTracker
 from common.protocol import EngineRequest, Logprob
 from common.sampling_params import SamplingParams
+from common.tp_layout import check_config
 from scheduler.engine_core import EngineCore
 from pagedserve.inproc_executor import InprocExecutor
+from pagedserve.worker_executor import WorkerGroupExecutor
 from pagedserve.prompts import PromptType, prompt_input, prompt_list
 
 log = logging.getLogger("pagedserve")
@@ -59,8 +63,18 @@ class LLM:
         self.tokenizer = self.source.load_tokenizer()
         self.eos_token_ids = eos_token_ids(self.source.model_config(), self.tokenizer)
         self.sampling_defaults = self.source.generation_defaults(self.config.generation_config)
-        self.engine = EngineCore(self.config, InprocExecutor(self.config, self.source), self.eos_token_ids)
+        if self.config.tensor_parallel_size == 1:
+            executor = InprocExecutor(self.config, self.source)
+        else:
+            check_config(self.config, self.source.model_config(), self.source.quantization_config())
+            executor = WorkerGroupExecutor(self.config)
+            atexit.register(executor.shutdown)
+        self.engine = EngineCore(self.config, executor, self.eos_token_ids)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine (with tensor parallelism: its worker processes). Also done at exit."""
+        self.engine.shutdown()
 
     @property
     def stats(self):

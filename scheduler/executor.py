@@ -3,13 +3,17 @@ for worker processes (serving). The in-process one (offline API, tests) lives in
 package allowed to join the scheduler and the worker in one process."""
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import replace
 from typing import Protocol
 
 import zmq
 
 from common.protocol import (STARTUP_TIMEOUT_S, STEP_TIMEOUT_S, Hello, ModelRunnerOutput, SchedulerOutput,
                              WorkerInfo, WorkerInit, WorkerReady, decode, encode)
+
+log = logging.getLogger("pagedserve.scheduler")
 
 
 class Executor(Protocol):
@@ -38,37 +42,57 @@ class ZmqExecutor:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.bind(address)
+        if address.startswith("tcp://") and not address[6:].startswith(("127.", "localhost", "[::1]")):
+            log.warning("the workers' socket listens on %s: it has no authentication, so anyone who reaches "
+                        "it can drive the workers; keep it on a private network", address)
         self.num_workers = num_workers
         self.step_timeout = step_timeout
         self.startup_timeout = startup_timeout
         self.identities: list[bytes] = []
+        self.infos: dict[int, WorkerInfo] = {}   # each rank's own report
         self.submitted: list[float] = []   # submit times of the steps in flight, oldest first
 
     def initialize(self, eos_token_ids: list[int]) -> WorkerInfo:
+        """Wait for every rank's Hello, then its WorkerReady. The ranks' KV caches may differ (a rank with
+        fewer KV heads fits more blocks, common/tp_layout.py): the engine gets the smallest."""
         deadline = time.monotonic() + self.startup_timeout
         # a worker (re)connected to us says Hello; anything else is left over from the scheduler before us
         while len(self.identities) < self.num_workers:
-            ident, msg = self._recv(deadline)
+            ident, msg = self._recv(deadline, "connected")
             if isinstance(decode(msg), Hello) and ident not in self.identities:
                 self.identities.append(ident)
         self.identities.sort()
         for ident in self.identities:
             self.sock.send_multipart([ident, encode(WorkerInit(eos_token_ids))])
-        infos: dict[int, WorkerInfo] = {}
-        while len(infos) < self.num_workers:
-            _, msg = self._recv(deadline)
+        self.infos = {}
+        while len(self.infos) < self.num_workers:
+            _, msg = self._recv(deadline, "loaded the model")
             m = decode(msg)
             if isinstance(m, WorkerReady):
-                infos[m.rank] = m.info
-        return infos[0]
+                self.infos[m.rank] = m.info
+        if self.num_workers > 1:
+            for rank, info in sorted(self.infos.items()):
+                log.info("rank %d: %.1f MiB of weights, %d KV blocks", rank, info.weight_bytes / (1 << 20),
+                         info.num_blocks)
+        return replace(self.infos[0], num_blocks=min(i.num_blocks for i in self.infos.values()),
+                       num_host_blocks=min(i.num_host_blocks for i in self.infos.values()))
 
-    def _recv(self, deadline: float) -> tuple[bytes, bytes]:
+    def _recv(self, deadline: float, waiting_for: str) -> tuple[bytes, bytes]:
         while True:
             self._check_disconnect()
             if self.sock.poll(200):
                 return tuple(self.sock.recv_multipart())  # type: ignore[return-value]
             if time.monotonic() > deadline:
-                raise WorkerDied("workers did not start in time")
+                raise WorkerDied(f"workers did not start in time ({self.startup_timeout:.0f}s): "
+                                 f"{self._missing(waiting_for)}")
+
+    def _missing(self, waiting_for: str) -> str:
+        """Which ranks the start-up is waiting for, by name."""
+        done = set(self.infos) if waiting_for == "loaded the model" else \
+            {int(i.split(b"-")[-1]) for i in self.identities if i.split(b"-")[-1].isdigit()}
+        missing = [r for r in range(self.num_workers) if r not in done]
+        return f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {self.num_workers} " \
+               f"never {waiting_for}"
 
     def _check_disconnect(self) -> None:
         if self.monitor.poll(0):

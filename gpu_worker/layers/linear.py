@@ -2,12 +2,16 @@
 
 A `Linear` owns its parameters and delegates the matmul to a `LinearMethod`. Fused projections (QKV,
 gate+up) are a single Linear whose output is the concatenation of named shards; the weight loader
-fills each shard by name, so tensor-parallel slicing later only changes `shard_ranges`.
+fills each shard by name. Tensor parallelism only changes which part of each checkpoint tensor a rank
+keeps: `rows` (column parallel: this rank's rows of each shard) and `cols` (row parallel: its input
+columns, whose partial products forward sums over the ranks).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from gpu_worker.parallel import all_reduce, tp
 
 
 class LinearMethod:
@@ -66,17 +70,23 @@ def low_precision_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 class Linear(nn.Module):
+    """`out_shards` and `in_features` are the checkpoint's sizes. Under tensor parallelism `rows` gives,
+    per shard, the rows [lo, hi) of that shard's checkpoint tensor this rank holds, and `cols` the input
+    columns [lo, hi) it holds; the layer's own sizes (shard_ranges, in_features) are those of its part."""
+
     def __init__(self, in_features: int, out_shards: dict[str, int] | int, bias: bool = False,
-                 dtype: torch.dtype = torch.float32, method: LinearMethod | None = None):
+                 dtype: torch.dtype = torch.float32, method: LinearMethod | None = None,
+                 rows: dict[str, tuple[int, int]] | None = None, cols: tuple[int, int] | None = None):
         super().__init__()
-        shards = {"": out_shards} if isinstance(out_shards, int) else dict(out_shards)
-        self.in_features = in_features
-        self.out_features = sum(shards.values())
-        self.shard_ranges: dict[str, tuple[int, int]] = {}
-        off = 0
-        for name, size in shards.items():
-            self.shard_ranges[name] = (off, off + size)
-            off += size
+        full = {"": out_shards} if isinstance(out_shards, int) else dict(out_shards)
+        self.rows = rows or {}
+        self.cols = cols
+        self.reduce = cols is not None and cols != (0, in_features)     # partial sums: all-reduced
+        self.in_features = in_features if cols is None else cols[1] - cols[0]
+        self.checkpoint_ranges = _ranges(full)                 # a fused checkpoint's rows of each shard
+        self.shard_ranges = _ranges({n: (self.rows[n][1] - self.rows[n][0]) if n in self.rows else size
+                                     for n, size in full.items()})
+        self.out_features = sum(hi - lo for lo, hi in self.shard_ranges.values())
         self.method = method or LinearMethod()
         self.method.create_weights(self, dtype)
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
@@ -85,16 +95,31 @@ class Linear(nn.Module):
         """Shard "" of a fused layer is a checkpoint that fuses it too (Phi-3's qkv_proj and
         gate_up_proj): its rows are cut into the shards, so each loads as if it came on its own."""
         if shard or "" in self.shard_ranges:
-            self.method.load_weight(self, param, tensor, shard)
+            self.method.load_weight(self, param, self._own_part(param, tensor, shard), shard)
             return
         if not hasattr(tensor, "__getitem__"):
             raise ValueError(f"fused {param}: a {type(tensor).__name__} checkpoint tensor cannot be cut into "
                              f"the shards {', '.join(self.shard_ranges)}")
-        if tensor.shape[0] != self.out_features:
-            raise ValueError(f"fused {param}: checkpoint has {tensor.shape[0]} rows, expected {self.out_features} "
-                             f"({' + '.join(f'{n} {hi - lo}' for n, (lo, hi) in self.shard_ranges.items())})")
-        for name, (lo, hi) in self.shard_ranges.items():
-            self.method.load_weight(self, param, tensor[lo:hi], name)
+        rows = self.checkpoint_ranges
+        total = sum(hi - lo for lo, hi in rows.values())
+        if tensor.shape[0] != total:
+            raise ValueError(f"fused {param}: checkpoint has {tensor.shape[0]} rows, expected {total} "
+                             f"({' + '.join(f'{n} {hi - lo}' for n, (lo, hi) in rows.items())})")
+        for name, (lo, hi) in rows.items():
+            self.method.load_weight(self, param, self._own_part(param, tensor[lo:hi], name), name)
+
+    def _own_part(self, param: str, tensor, shard: str):
+        """This rank's part of a checkpoint tensor of `shard`: its rows, then its input columns. A
+        row-parallel bias is added once, by rank 0 (the others hold zeros)."""
+        if shard in self.rows:
+            lo, hi = self.rows[shard]
+            tensor = tensor[lo:hi]
+        if self.reduce and len(tensor.shape) == 2:
+            tensor = tensor[:, self.cols[0]:self.cols[1]]
+        tensor = materialize(tensor)
+        if self.reduce and param == "bias" and tp().rank != 0:
+            tensor = torch.zeros_like(tensor)
+        return tensor
 
     def loaded_parts(self, param: str, shard: str) -> list[tuple[str, str]]:
         """The (param, shard) pairs that load(param, _, shard) filled."""
@@ -106,4 +131,18 @@ class Linear(nn.Module):
         return [y[..., lo:hi] for lo, hi in self.shard_ranges.values()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        return all_reduce(y) if self.reduce else y
+
+
+def _ranges(sizes: dict[str, int]) -> dict[str, tuple[int, int]]:
+    out, off = {}, 0
+    for name, size in sizes.items():
+        out[name] = (off, off + size)
+        off += size
+    return out
+
+
+def materialize(tensor):
+    """A checkpoint tensor read lazily (weight_loader.LazySlice) read now; anything else as it is."""
+    return tensor.materialize() if hasattr(tensor, "materialize") else tensor

@@ -55,6 +55,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return [glob if w is None else local for w in self.config.windows]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        logits = super().compute_logits(hidden)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

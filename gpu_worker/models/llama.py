@@ -14,24 +14,30 @@ import torch
 from torch import nn
 
 from common.model_config import ModelConfig
+from common.tp_layout import QUANT_ALIGN, even_split, head_shard
 from gpu_worker.attention import AttentionBackend
 from gpu_worker.layers.activation import activation
-from gpu_worker.layers.embedding import VocabEmbedding
+from gpu_worker.layers.embedding import VocabEmbedding, gather_logits, vocab_part
 from gpu_worker.layers.linear import Linear
 from gpu_worker.layers.norm import RMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding, Rotation
+from gpu_worker.parallel import tp
 
 
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig, dtype: torch.dtype, layer: int, gemma_norm: bool = False):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        d, g = c.head_dim, tp()
+        part = head_shard(c.num_heads, c.num_kv_heads, g.size, g.rank)    # this rank's heads
+        self.num_heads, self.num_kv_heads, self.head_dim = part.num_heads, part.num_kv_heads, d
         self.scale = c.attn_scale
         self.window = c.layer_window(layer)
         self.softcap = c.attn_logit_softcapping
-        self.qkv_proj = Linear(c.hidden_size, {"q": c.num_heads * c.head_dim, "k": c.num_kv_heads * c.head_dim,
-                                               "v": c.num_kv_heads * c.head_dim}, bias=c.qkv_bias, dtype=dtype)
-        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, dtype=dtype)
+        q_rows, kv_rows = _rows(part.q_start, part.num_heads, d), _rows(part.kv_start, part.num_kv_heads, d)
+        self.qkv_proj = Linear(c.hidden_size, {"q": c.num_heads * d, "k": c.num_kv_heads * d, "v": c.num_kv_heads * d},
+                               bias=c.qkv_bias, dtype=dtype,
+                               rows={"q": q_rows, "k": kv_rows, "v": kv_rows} if g.size > 1 else None)
+        self.o_proj = Linear(c.num_heads * d, c.hidden_size, dtype=dtype, cols=q_rows if g.size > 1 else None)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, gemma_norm) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype, gemma_norm) if c.qk_norm else None
         self.k_scale = self.v_scale = 1.0      # what an fp8 KV cache divides K and V by
@@ -81,8 +87,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str, dtype: torch.dtype):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, {"gate": intermediate, "up": intermediate}, dtype=dtype)
-        self.down_proj = Linear(intermediate, hidden, dtype=dtype)
+        g = tp()
+        part = even_split(intermediate, g.size, QUANT_ALIGN)[g.rank] if g.size > 1 else None
+        self.gate_up_proj = Linear(hidden, {"gate": intermediate, "up": intermediate}, dtype=dtype,
+                                   rows={"gate": part, "up": part} if part else None)
+        self.down_proj = Linear(intermediate, hidden, dtype=dtype, cols=part)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,7 +122,9 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(c.rotary_dim, max_positions, c.rope_theta, c.rope_scaling, dtype)
         self.layers = nn.ModuleList(self.make_layer(c, dtype, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype=dtype)
+        vocab = vocab_part(c.vocab_size)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype=dtype,
+                              rows={"": vocab} if vocab != (0, c.vocab_size) else None)
 
     def make_layer(self, c: ModelConfig, dtype: torch.dtype, layer: int) -> nn.Module:
         return DecoderLayer(c, dtype, layer, self.make_mlp(c, dtype, layer))
@@ -145,4 +156,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return gather_logits(self.lm_head(hidden), self.config.vocab_size)
+
+
+def _rows(first_head: int, num_heads: int, head_dim: int) -> tuple[int, int]:
+    return first_head * head_dim, (first_head + num_heads) * head_dim
