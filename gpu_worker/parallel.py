@@ -10,7 +10,11 @@ same seeded generators, so every rank's sequence state stays identical; only ran
 """
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
+import socket
+import struct
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -45,6 +49,10 @@ def init_tensor_parallel(rank: int, size: int, init_addr: str, device: torch.dev
     if size > 1:
         import torch.distributed as dist
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+            ifname = interface_towards(init_addr)
+            if ifname:      # gloo would advertise the hostname's address, often 127.0.0.1
+                os.environ["GLOO_SOCKET_IFNAME"] = ifname
         if device.type == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=rank, world_size=size,
@@ -53,6 +61,28 @@ def init_tensor_parallel(rank: int, size: int, init_addr: str, device: torch.dev
         log.info("rank %d of %d joined the %s group at %s", rank, size, backend, init_addr)
     _group = TPGroup(rank, size)
     return _group
+
+
+def interface_towards(addr: str) -> str | None:
+    """The network interface this host reaches HOST:PORT through (None: loopback or not found), so
+    that every rank tells its peers an address they can reach."""
+    host, port = addr.rsplit(":", 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, int(port)))             # UDP: picks the route, sends nothing
+        local = s.getsockname()[0]
+        if local.startswith("127."):
+            return None
+        for _, name in socket.if_nameindex():
+            try:
+                req = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            except OSError:                      # an interface without an IPv4 address
+                continue
+            if socket.inet_ntoa(req[20:24]) == local:
+                return name
+    return None
+
+
+SIOCGIFADDR = 0x8915      # Linux: an interface's IPv4 address
 
 
 def shutdown_tensor_parallel() -> None:

@@ -20,6 +20,7 @@ log = logging.getLogger("pagedserve")
 BACKOFF_FIRST_S = 1.0       # the first restart's delay; each further one doubles it, up to BACKOFF_MAX_S
 BACKOFF_MAX_S = 30.0
 BACKOFF_RESET_S = 60.0      # a child that ran this long since its last restart starts from BACKOFF_FIRST_S
+STOP_GRACE_S = 5.0          # a whole-engine restart: how long the other children get to exit on SIGTERM
 
 
 @dataclass
@@ -47,6 +48,8 @@ class EngineProcesses:
     backoff: dict[int, Backoff] = field(default_factory=dict)
     restart_at: dict[int, float] = field(default_factory=dict)   # engine child index -> when to start it again
     restarts: int = 0
+    whole_engine: bool = False                      # tensor parallelism: restart every engine child together
+    kill_at: float | None = None                    # while the engine stops whole: when survivors get SIGKILL
 
     @classmethod
     def start(cls, model: str | None, flags: list[str], num_threads: int | None, tensor_parallel_size: int,
@@ -73,6 +76,7 @@ class EngineProcesses:
         group = ["--dist-init-addr", topology.dist_init_addr or f"127.0.0.1:{free_port()}"] \
             if tensor_parallel_size > 1 else []
         threads = num_threads or (max(1, usable_cpus() // max(1, local)) if tensor_parallel_size > 1 else None)
+        self.whole_engine = tensor_parallel_size > 1
         for rank in range(local):
             self.spawn(["worker", *([model] if model else []), *flags, "--connect", self.workers,
                         "--rank", str(rank), *group], {"OMP_NUM_THREADS": str(threads)} if threads else None)
@@ -103,24 +107,45 @@ class EngineProcesses:
     def restart_exited(self, now: float | None = None) -> str | None:
         """One supervision pass: an engine child that exited is started again after its back-off. A
         child that exits before the engine ever came up (a bad checkpoint, a bad flag) is not retried:
-        the reason is returned and the service should stop."""
+        the reason is returned and the service should stop. With tensor parallelism the engine restarts
+        whole: a torch.distributed group cannot take a new member, so the first exit stops every other
+        engine child (SIGTERM, then SIGKILL after STOP_GRACE_S: a rank may sit in a collective), and
+        none starts again before all have exited."""
         now = time.monotonic() if now is None else now
-        for i, p in enumerate(self.procs[:self.num_engine]):
-            if p.poll() is None:
+        engine = self.procs[:self.num_engine]
+        for i, p in enumerate(engine):
+            if p.poll() is None or i in self.restart_at:
                 continue
             if not self.came_up:
                 return f"the engine's {_role(p)} process exited with code {p.returncode} during start-up"
-            if i not in self.restart_at:
-                delay = self.backoff.setdefault(i, Backoff()).next_delay(now)
-                self.restart_at[i] = now + delay
-                log.error("the engine's %s process exited with code %d; restarting it in %.0fs", _role(p),
-                          p.returncode, delay)
-            elif now >= self.restart_at[i]:
+            delay = self.backoff.setdefault(i, Backoff()).next_delay(now)
+            self.restart_at[i] = now + delay
+            log.error("the engine's %s process exited with code %d; restarting it in %.0fs", _role(p),
+                      p.returncode, delay)
+            if self.whole_engine and self.kill_at is None:
+                self._stop_engine(now)
+        if self.kill_at is not None:
+            if len(self.restart_at) < len(engine):
+                if now >= self.kill_at:
+                    for p in engine:
+                        if p.poll() is None:
+                            p.kill()
+                return None
+            self.kill_at = None                     # every old process is gone: the group can form again
+        for i, at in list(self.restart_at.items()):
+            if now >= at:
                 del self.restart_at[i]
                 self.procs[i] = self._popen(*self.commands[i])
                 self.backoff[i].last_start = now
                 self.restarts += 1
         return None
+
+    def _stop_engine(self, now: float) -> None:
+        log.error("tensor-parallel engine: stopping its other processes to restart the group whole")
+        for p in self.procs[:self.num_engine]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        self.kill_at = now + STOP_GRACE_S
 
     @property
     def scheduler(self) -> subprocess.Popen:

@@ -94,6 +94,11 @@ class ZmqExecutor:
         return f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {self.num_workers} " \
                f"never {waiting_for}"
 
+    def check_alive(self) -> None:
+        """Raise WorkerDied if a worker disconnected, also while no step is in flight (an idle engine
+        must report a dead rank too)."""
+        self._check_disconnect()
+
     def _check_disconnect(self) -> None:
         if self.monitor.poll(0):
             self.monitor.recv_multipart()
