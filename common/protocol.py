@@ -189,6 +189,8 @@ class WorkerInfo:
     # LongRoPE (Phi-3): the pretraining length past which a sequence's keys use the long factors, when
     # max_model_len exceeds it; the scheduler recomputes a sequence that crosses it (scheduler.py)
     long_rope_after: int | None = None
+    # the engine flags this rank runs with (less the per-host ones): the ranks of a group must agree
+    engine_flags: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -36,6 +36,7 @@ from gpu_worker.step_inputs import PromptLogprobRows, SequenceState, StepInputs,
 from gpu_worker.weight_loader import load_model, weight_bytes
 
 log = logging.getLogger("pagedserve.worker")
+PER_HOST_FLAGS = ("num_threads", "download_dir")     # may differ between the hosts of one group
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
@@ -123,7 +124,8 @@ class ModelRunner:
                           max_loras=self.lora.max_loras if self.lora else 0,
                           max_lora_rank=self.lora.max_rank if self.lora else 0,
                           prefix_caching=self._prefix_caching_safe(),
-                          kv_group_windows=self.kv_layout.group_windows, long_rope_after=self._long_rope_after)
+                          kv_group_windows=self.kv_layout.group_windows, long_rope_after=self._long_rope_after,
+                          engine_flags={k: v for k, v in self.config.to_dict().items() if k not in PER_HOST_FLAGS})
 
     def reset(self) -> None:
         """Forget the old scheduler session before a new one initializes: its sequence ids, block ids and

@@ -71,11 +71,22 @@ class ZmqExecutor:
             if isinstance(m, WorkerReady):
                 self.infos[m.rank] = m.info
         if self.num_workers > 1:
+            self._check_same_flags()
             for rank, info in sorted(self.infos.items()):
                 log.info("rank %d: %.1f MiB of weights, %d KV blocks", rank, info.weight_bytes / (1 << 20),
                          info.num_blocks)
         return replace(self.infos[0], num_blocks=min(i.num_blocks for i in self.infos.values()),
                        num_host_blocks=min(i.num_host_blocks for i in self.infos.values()))
+
+    def _check_same_flags(self) -> None:
+        """Ranks started by hand on other hosts with other engine flags would compute garbage together."""
+        want = self.infos[0].engine_flags
+        for rank, info in sorted(self.infos.items()):
+            diff = sorted(k for k in set(want) | set(info.engine_flags) if want.get(k) != info.engine_flags.get(k))
+            if diff:
+                raise WorkerDied(f"rank {rank} runs with other engine flags than rank 0: "
+                                 + ", ".join(f"{k} {info.engine_flags.get(k)!r} (rank 0: {want.get(k)!r})"
+                                             for k in diff) + "; start every rank with the same flags")
 
     def _recv(self, deadline: float, waiting_for: str) -> tuple[bytes, bytes]:
         while True:

@@ -113,9 +113,11 @@ def test_the_scheduler_names_the_ranks_that_never_came(tmp_path) -> None:
 
 
 @pytest.mark.unit
-def test_the_cli_refuses_groups_it_cannot_run(capsys, tiny_model) -> None:
+def test_the_cli_refuses_groups_it_cannot_run(capsys, tiny_model, monkeypatch) -> None:
     from pagedserve import cli
     folder = str(tiny_model("llama"))                        # 4 heads, 2 KV heads
+    monkeypatch.setattr(cli, "usable_cpus", lambda: 2)       # as this machine, whatever runs the test
+    monkeypatch.setattr(cli, "_cuda", lambda: 0)
 
     def refused(*argv: str) -> str:
         with pytest.raises(SystemExit) as e:
@@ -123,8 +125,7 @@ def test_the_cli_refuses_groups_it_cannot_run(capsys, tiny_model) -> None:
         assert e.value.code == 2
         return capsys.readouterr().err
     assert "cannot split 4 query heads over 2 KV heads" in refused("serve", folder, "-tp", "3")
-    assert "needs 4 CPU cores" in refused("serve", folder, "-tp", "4", "--device", "cpu") or \
-        "cannot split" in refused("serve", folder, "-tp", "4", "--device", "cpu")
+    assert "needs 4 CPU cores on this machine for its ranks; 2 are available" in refused("serve", folder, "-tp", "4")
     assert "--scheduler-addr tcp://" in refused("serve", folder, "-tp", "2", "--local-ranks", "1")
     assert "--dist-init-addr" in refused("serve", folder, "-tp", "2", "--local-ranks", "1",
                                          "--scheduler-addr", "tcp://10.9.0.1:5570")
@@ -216,13 +217,54 @@ def test_tp2_greedy_equals_tp1_under_caching_chunking_and_preemption(arch, overr
 @pytest.mark.timeout(300)
 def test_tp2_on_the_default_model_equals_tp1_with_its_groups_split_one_and_two(default_tokenizer) -> None:
     """SmolLM2-135M has 9 query heads over 3 KV heads: rank 0 takes one group (3 heads), rank 1 two; each
-    rank's KV cache holds only its heads, so their block counts differ and the engine runs on the smaller.
-    Its Q4_1 blocks stay packed on both ranks."""
+    rank's KV cache holds only its heads (a block of rank 1 is twice rank 0's). Its Q4_1 blocks stay packed
+    on both ranks."""
     prompts = _prompts(default_tokenizer)
-    want, got, _, stats, infos, tp1_bytes = _tp_pair(None, prompts, dtype="float32", max_num_batched_tokens=16)
+    want, got, outs, stats, infos, tp1_bytes = _tp_pair(None, prompts, **PRESSURE)
     assert got == want
-    assert infos[0].num_blocks == 2 * infos[1].num_blocks            # 1 KV head against 2
+    assert stats.num_preemptions > 0 and any(o.num_cached_tokens > 0 for o in outs)
+    assert infos[1].block_bytes == 2 * infos[0].block_bytes            # 1 KV head against 2
     total, replicated, _ = tp1_bytes
     sharded = [infos[r].weight_bytes - replicated for r in (0, 1)]
     assert sum(sharded) == total - replicated                          # every sharded byte on one rank only
     assert 0.4 < sharded[0] / (total - replicated) < 0.5 < sharded[1] / (total - replicated) < 0.6
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype_1", ["float32", "bfloat16"])
+def test_the_engine_runs_on_the_smallest_rank_and_refuses_ranks_with_other_flags(tmp_path, dtype_1: str) -> None:
+    """Ranks report their own KV blocks (8 and 4 here): the engine gets the smaller. A rank started by hand
+    on another host with another --dtype would compute garbage with the others: refused, naming the flag."""
+    from common.protocol import WorkerInfo, WorkerInit, WorkerReady, decode
+    ctx = zmq.Context()
+    addr = f"ipc://{tmp_path}/w.ipc"
+    ex = ZmqExecutor(ctx, addr, num_workers=2, startup_timeout=5.0)
+    ranks = []
+    for rank, dtype in ((0, "float32"), (1, dtype_1)):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.IDENTITY, f"worker-{rank}".encode())
+        s.connect(addr)
+        s.send(encode(Hello(f"worker-{rank}")))
+        ranks.append((rank, dtype, s))
+    try:
+        import threading
+
+        def answer() -> None:
+            for rank, dtype, s in ranks:
+                assert isinstance(decode(s.recv()), WorkerInit)
+                s.send(encode(WorkerReady(rank, WorkerInfo(8 >> rank, 0, 64, 100, 1024,
+                                                           engine_flags={"dtype": dtype}))))
+        t = threading.Thread(target=answer)
+        t.start()
+        if dtype_1 == "float32":
+            assert ex.initialize([]).num_blocks == 4
+        else:
+            with pytest.raises(WorkerDied, match=r"rank 1 runs with other engine flags than rank 0: dtype "
+                                                 r"'bfloat16' \(rank 0: 'float32'\)"):
+                ex.initialize([])
+        t.join(10)
+    finally:
+        for *_, s in ranks:
+            s.close(0)
+        ex.shutdown()
+        ctx.term()
