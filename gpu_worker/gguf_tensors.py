@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from common.model_source import ModelSource
-from gpu_worker.quantization.gguf import GGUFTensor, unpermute_rope
+from gpu_worker.quantization.gguf import ExpandedOnRead, GGUFTensor, unpermute_rope
 from gpu_worker.quantization.gguf_blocks import SUPPORTED as GGUF_SUPPORTED
 
 log = logging.getLogger(__name__)
@@ -76,9 +76,11 @@ def _to_hf_values(arch: str, name: str, arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-def iter_gguf(source: ModelSource, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+def iter_gguf(source: ModelSource, keep_quantized: bool = False,
+              lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFTensor | ExpandedOnRead]]:
     """HF-named tensors of a GGUF file: fp32, or with `keep_quantized` the matrices of a supported
-    quantized type as GGUFTensor (raw blocks, rows already in HF order)."""
+    quantized type as GGUFTensor (raw blocks, rows already in HF order). `lazy` (tensor parallelism): the
+    other matrices as ExpandedOnRead, so that a rank expands only its slice."""
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize
     arch = source.gguf_field("general.architecture")
@@ -94,6 +96,10 @@ def iter_gguf(source: ModelSource, keep_quantized: bool = False) -> Iterator[tup
             continue
         if keep_quantized and t.tensor_type not in (T.F32, T.F16, T.BF16):
             expanded.add(f"{t.tensor_type.name}{' experts' if len(t.shape) == 3 else ''}")
+        if lazy and len(t.shape) == 2:
+            raw = t.data.view(np.uint8).reshape(int(t.shape[1]), -1)
+            yield name, ExpandedOnRead(GGUFTensor(raw, t.tensor_type, (int(t.shape[1]), int(t.shape[0])), heads))
+            continue
         arr = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
         if heads is not None:
             arr = unpermute_rope(arr, heads)

@@ -142,7 +142,7 @@ def load_weights(model: torch.nn.Module, source: ModelSource, load_format: str =
         raise ValueError(f"unknown load_format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
     source.check_load_format(load_format)
     if source.kind == "gguf":
-        tensors = iter_gguf(source, keep_quantized)
+        tensors = iter_gguf(source, keep_quantized, lazy=tp().size > 1)
     else:
         tensors = iter_safetensors(source.path, lazy=tp().size > 1 and fmt is None)
         if fmt is not None:

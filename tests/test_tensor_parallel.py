@@ -215,12 +215,14 @@ def test_tp2_greedy_equals_tp1_under_caching_chunking_and_preemption(arch, overr
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_tp2_on_the_default_model_equals_tp1_with_its_groups_split_one_and_two(default_tokenizer) -> None:
+@pytest.mark.parametrize("quantization", ["auto", "none"])      # its Q4_1 blocks packed; expanded to fp32
+def test_tp2_on_the_default_model_equals_tp1_with_its_groups_split_one_and_two(default_tokenizer,
+                                                                                quantization: str) -> None:
     """SmolLM2-135M has 9 query heads over 3 KV heads: rank 0 takes one group (3 heads), rank 1 two; each
     rank's KV cache holds only its heads (a block of rank 1 is twice rank 0's). Its Q4_1 blocks stay packed
-    on both ranks."""
+    on both ranks, or (`none`) each rank expands only its slices of the file."""
     prompts = _prompts(default_tokenizer)
-    want, got, outs, stats, infos, tp1_bytes = _tp_pair(None, prompts, **PRESSURE)
+    want, got, outs, stats, infos, tp1_bytes = _tp_pair(None, prompts, quantization=quantization, **PRESSURE)
     assert got == want
     assert stats.num_preemptions > 0 and any(o.num_cached_tokens > 0 for o in outs)
     assert infos[1].block_bytes == 2 * infos[0].block_bytes            # 1 KV head against 2
@@ -268,3 +270,21 @@ def test_the_engine_runs_on_the_smallest_rank_and_refuses_ranks_with_other_flags
             s.close(0)
         ex.shutdown()
         ctx.term()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.Q4_1, T.Q6_K])
+def test_a_gguf_matrix_expanded_on_read_gives_the_slices_of_the_whole(qtype) -> None:
+    """`--quantization none` on a GGUF (and types not kept packed): a rank expands only its rows/columns."""
+    from gpu_worker.quantization.gguf import ExpandedOnRead
+    if qtype in (T.F32, T.F16):
+        values = np.random.default_rng(1).standard_normal((8, 512)).astype(np.float32)
+        raw = values.astype(np.float16 if qtype == T.F16 else np.float32).view(np.uint8)
+        whole = GGUFTensor(raw, qtype, (8, 512))
+    else:
+        whole = gguf_tensor(qtype, 8, 512, seed=2)
+    lazy = ExpandedOnRead(whole)
+    full = lazy.materialize()
+    assert torch.equal(lazy[2:6], full[2:6])
+    assert torch.equal(lazy[:, 96:320], full[:, 96:320])
+    assert torch.equal(lazy[4:8, 256:512], full[4:8, 256:512])

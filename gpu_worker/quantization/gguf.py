@@ -64,6 +64,21 @@ class GGUFTensor(QuantizedTensor):
         return torch.from_numpy(np.array(gguf_dequantize(self.raw, self.qtype), np.float32).reshape(self.shape))
 
 
+class ExpandedOnRead:
+    """A GGUF matrix that the layers take in fp32 (a type not kept packed, or `--quantization none`), read
+    lazily: a tensor-parallel rank expands only its own slice of the file (weight_loader.LazySlice's kin)."""
+
+    def __init__(self, tensor: GGUFTensor):
+        self.tensor, self.shape = tensor, tensor.shape
+
+    def __getitem__(self, index) -> torch.Tensor:
+        part = self.tensor[index]
+        return part.dequantize() if isinstance(part, GGUFTensor) else part
+
+    def materialize(self) -> torch.Tensor:
+        return self.tensor.dequantize()
+
+
 def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp interleaves q/k rows for its rope; undo it to get back HF's half-rotation layout."""
     shape = w.shape
