@@ -63,7 +63,8 @@ class SchedulerProcess:
             try:
                 self._drain_frontend(timeout_ms=0 if self._busy() else int(HEARTBEAT_S * 1000))
                 if not self.dead:
-                    self.executor.check_alive()
+                    if not self.stopping:     # a worker stopping with us is no failure
+                        self.executor.check_alive()
                     self._advance()
             except WorkerDied as e:
                 self._die(str(e))
