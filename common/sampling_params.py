@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from common.structured_output import StructuredOutputsParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 16
@@ -50,9 +53,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # streaming in-process (AsyncLLMEngine)
+    structured_outputs: StructuredOutputsParams | None = None       # common/structured_output.py
 
     def __post_init__(self) -> None:
         self.output_kind = RequestOutputKind(self.output_kind)
+        if isinstance(self.structured_outputs, dict):         # as it travels (to_dict)
+            from common.structured_output import StructuredOutputsParams
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

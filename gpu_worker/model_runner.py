@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,8 @@ from gpu_worker.spec_decode import Proposer, build_proposer
 from gpu_worker.spec_decode.proposer import CachePair, fit_drafts
 from gpu_worker.spec_decode.rejection import verify
 from gpu_worker.step_inputs import PromptLogprobRows, SequenceState, StepInputs, build_step_inputs
+if TYPE_CHECKING:
+    from gpu_worker.structured_output import StructuredOutputManager
 from gpu_worker.weight_loader import load_model, weight_bytes
 
 log = logging.getLogger("pagedserve.worker")
@@ -98,6 +101,7 @@ class ModelRunner:
         self._rotate_fp8_kv()
         self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec else None
         self.spec_max_rows = self._spec_max_rows()
+        self._structured: StructuredOutputManager | None = None        # on the first constrained sequence
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []     # one pair per cache slot of a group
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: its slot's pair
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -243,6 +247,7 @@ class ModelRunner:
         if not scheduled:
             return out
         inputs = build_step_inputs(self.seqs, scheduled, self.block_size, self.device, self.kv_layout.num_groups)
+        self._start_grammar_masks(inputs)
         prepared = [self.backend.prepare(m) for m in inputs.attn_groups]
         attn = [prepared[g] for g in self.kv_layout.layer_group]       # each layer's group's metadata
         hidden = self._forward(inputs, attn)
@@ -268,20 +273,46 @@ class ModelRunner:
         """Sample every logits row; a sequence with k drafts keeps what the verifier (spec_decode/rejection.py)
         accepts of them, and one token of the target's after them."""
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        seqs = [self.seqs[s] for s in inputs.sample_seq_ids]
+        constrained = self._structured is not None and any(st.grammar is not None for st in seqs)
+        if constrained:       # before every other logits processor
+            self._structured.apply(logits)
         batch = build_sampling_batch(inputs.sampling_states(self.seqs), logits.shape[-1], self.eos_ids, self.device)
         samples = draw(logits, batch)
-        seqs = [self.seqs[s] for s in inputs.sample_seq_ids]
         ids_list, keeps = verify(samples, seqs, inputs.num_samples)
         lps = logprob_records(samples, ids_list, batch.max_logprobs)
         row = 0
         for st, k, keep in zip(seqs, inputs.num_samples, keeps):
             st.token_ids.extend(ids_list[row:row + keep])
+            if st.grammar is not None:
+                self._structured.accept(st, ids_list[row:row + keep])
             out.seq_ids.append(st.seq_id)
             out.sampled_token_ids.append(ids_list[row:row + keep])
             want = st.params.logprobs
             out.logprobs.append([r for recs in lps[row:row + keep] for r in self._trim(recs, want)]
                                 if lps and want is not None else None)
             row += k
+
+    def _start_grammar_masks(self, inputs: StepInputs) -> None:
+        """Constrained rows' bitmask, filled in the manager's thread while the forward pass runs."""
+        if self._structured is None:
+            return
+        items, row = [], 0
+        for seq_id, k in zip(inputs.sample_seq_ids, inputs.num_samples):
+            st = self.seqs[seq_id]
+            if st.grammar is not None:
+                items.append((st, row, st.spec_token_ids[:k - 1]))
+            row += k
+        if items:
+            self._structured.start_masks(items, row)
+
+    def _grammar_for(self, st: SequenceState) -> None:
+        if self._structured is None:
+            from gpu_worker.structured_output import StructuredOutputManager
+            from gpu_worker.structured_output.xgrammar_backend import XGrammarBackend
+            self._structured = StructuredOutputManager(lambda: XGrammarBackend(
+                self.source.load_tokenizer(), self.model_config.vocab_size, sorted(self.eos_ids)))
+        self._structured.add(st)
 
     def _spec_max_rows(self) -> int | None:
         """With packed weights on the CPU, the rows a step may reach with drafts: as far as the packed
@@ -313,6 +344,8 @@ class ModelRunner:
         if budget is not None:
             keep = fit_drafts(keep, budget)
         for st, d, n in zip(seqs, drafts, keep):
+            if st.grammar is not None:     # drafts the grammar forbids would only be rejected
+                n = min(n, self._structured.valid_drafts(st, d.token_ids[:n]))
             st.draft_probs = d.probs
             if n:
                 out.spec_token_ids[st.seq_id] = d.token_ids[:n]
@@ -341,7 +374,9 @@ class ModelRunner:
                 raise RuntimeError("the scheduler sent LoRA adapters to a worker started without --enable-lora")
             out.lora_errors = self.lora.load(sched.lora_loads)
         for r in sched.new_seqs:
-            self.seqs[r.seq_id] = SequenceState.from_new(r, self.device)
+            st = self.seqs[r.seq_id] = SequenceState.from_new(r, self.device)
+            if r.sampling_params.structured_outputs is not None:
+                self._grammar_for(st)
         for r in sched.cached_seqs:
             st = self.seqs[r.seq_id]
             del st.block_ids[r.blocks_from:]

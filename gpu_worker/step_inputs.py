@@ -38,6 +38,7 @@ class SequenceState:
     spec_token_ids: list[int] = field(default_factory=list)   # drafts to verify this step
     draft_probs: torch.Tensor | None = None   # [k, V] what the drafts were drawn from; None: deterministic
     proposer_state: Any = None                # a proposer's own per-sequence bookkeeping
+    grammar: Any = None                       # structured output: structured_output/manager.GrammarState
 
     @classmethod
     def from_new(cls, r: NewSequenceData, device: torch.device) -> "SequenceState":

@@ -4,9 +4,10 @@ Offline use: `from pagedserve import LLM, SamplingParams`; asyncio programs: `As
 """
 from common.lora import LoRARequest
 from common.sampling_params import RequestOutputKind, SamplingParams
+from common.structured_output import GuidedDecodingParams, StructuredOutputsParams
 from pagedserve.async_engine import AsyncLLM, AsyncLLMEngine, EngineDeadError
 from pagedserve.llm import LLM, CompletionOutput, RequestOutput
 
 __all__ = ["LLM", "AsyncLLMEngine", "AsyncLLM", "EngineDeadError", "SamplingParams", "RequestOutputKind", "LoRARequest",
-           "RequestOutput", "CompletionOutput"]
+           "RequestOutput", "CompletionOutput", "StructuredOutputsParams", "GuidedDecodingParams"]
 __version__ = "0.1.0"

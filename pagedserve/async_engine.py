@@ -23,6 +23,7 @@ from common.lora import LoRARequest
 from common.model_source import ModelSource, eos_token_ids
 from common.output_processor import RequestTracker
 from common.protocol import STARTUP_TIMEOUT_S, EngineOutput
+from common.structured_output import check as check_structured_output
 from common.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.cli_args import config_flags
 from pagedserve.prompts import PromptType, prompt_input
@@ -123,6 +124,8 @@ class AsyncLLMEngine:
         `lora_request`: the adapter to run under (loaded on first use; the engine needs enable_lora)."""
         sp = sampling_params or SamplingParams()
         ids, text = prompt_input(prompt, self.tokenizer)
+        if sp.structured_outputs is not None:
+            check_structured_output(sp.structured_outputs)
         rid = request_id or uuid.uuid4().hex
         client = await self._ready()
         self._raise_if_dead()

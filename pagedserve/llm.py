@@ -18,6 +18,7 @@ from common.model_source import ModelSource, eos_token_ids
 from common.output_processor import RequestTracker
 from common.protocol import EngineRequest, Logprob
 from common.sampling_params import SamplingParams
+from common.structured_output import check as check_structured_output
 from common.tp_layout import check_config
 from scheduler.engine_core import EngineCore
 from pagedserve.inproc_executor import InprocExecutor
@@ -103,6 +104,8 @@ class LLM:
         try:
             for prompt, sp, lora in zip(prompts, params, loras):
                 ids, text = prompt_input(prompt, self.tokenizer)
+                if sp.structured_outputs is not None:
+                    check_structured_output(sp.structured_outputs)     # a bad schema: ValueError, here
                 rid = str(next(self._ids))
                 self.engine.add_request(EngineRequest(rid, ids, sp, lora_request=lora))
                 trackers[rid] = (RequestTracker(rid, ids, sp, self.tokenizer), text)

@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from common import structured_output
 from common.lora import LoRARequest
 from common.sampling_params import MAX_TOP_LOGPROBS, ParamError, SamplingParams
 from router.api_error import APIError, bad
@@ -241,8 +242,12 @@ def _sampling_params(body: dict, model: ModelInfo, max_tokens: int | None, logpr
         if k != "max_tokens" and k not in kwargs:
             kwargs[k] = -1 if k == "top_k" and (v == 0 or v >= model.vocab_size) else v
     try:
+        structured = structured_output.from_request(body)
+        if structured is not None:
+            structured_output.check(structured)
         return SamplingParams(max_tokens=max_tokens, stop=_stop(body), logit_bias=_logit_bias(body, model),
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, **kwargs)
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=structured,
+                              **kwargs)
     except ParamError as e:
         raise bad(str(e), e.param) from None
 

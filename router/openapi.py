@@ -46,6 +46,18 @@ _SAMPLING: dict[str, Any] = {
     "include_stop_str_in_output": _BOOL, "skip_special_tokens": _BOOL, "ignore_eos": _BOOL,
     "min_tokens": {"type": "integer", "minimum": 0}, "stream": _BOOL,
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}}, "user": _STR,
+    # structured output (common/structured_output.py): at most one of these per request
+    "response_format": {"anyOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"const": "json_schema"}, "json_schema": {"type": "object", "properties": {
+                "name": _STR, "schema": {"type": "object"}, "strict": _nullable(_BOOL)}}}}]},
+    "structured_outputs": {"type": "object", "properties": {
+        "json": {"anyOf": [_STR, {"type": "object"}]}, "regex": _STR, "grammar": _STR, "json_object": _BOOL,
+        "disable_any_whitespace": _BOOL,
+        "choice": {"type": "array", "minItems": 1, "items": _PROMPT_STR}}},
+    "guided_json": {"anyOf": [_STR, {"type": "object"}]}, "guided_regex": _STR, "guided_grammar": _STR,
+    "guided_choice": {"type": "array", "minItems": 1, "items": _PROMPT_STR},
 }
 # stream_options only with "stream": true (as vLLM)
 _STREAM_OPTIONS_NEED_STREAM = {"if": {"required": ["stream_options"]},
