@@ -18,6 +18,7 @@ from common.lora import LoRARequest
 from common.sampling_params import MAX_TOP_LOGPROBS, ParamError, SamplingParams
 from router.api_error import APIError, bad
 from router.chat_messages import parse_messages, render_chat
+from router.request_fields import check_fields
 
 # A completions call may carry a batch of prompts; each becomes an engine request of its own.
 MAX_PROMPTS = 256
@@ -260,6 +261,7 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
 # ---- /v1/completions -------------------------------------------------------------------------------
 def parse_completion_request(body: dict, tokenizer: Any, model: ModelInfo) -> ParsedRequest:
     lora_name = check_model(body, model)
+    check_fields(body, "completions")
     if body.get("suffix") is not None:
         raise bad("'suffix' is not supported", "suffix")
     stream, include_usage = _stream_flags(body)
@@ -320,6 +322,7 @@ def _tokenize_prompt(p: str | list[int], tokenizer: Any, model: ModelInfo) -> Pr
 # ---- /v1/chat/completions --------------------------------------------------------------------------
 def parse_chat_request(body: dict, tokenizer: Any, model: ModelInfo) -> ParsedRequest:
     lora_name = check_model(body, model)
+    check_fields(body, "chat")
     stream, include_usage = _stream_flags(body)
     want_logprobs = bool(bool_field(body, "logprobs"))
     top = _int(body, "top_logprobs")

@@ -1,0 +1,39 @@
+"""Issue #12, "no silent drops": a field we do not implement is a 400 when honouring it would change the
+answer, and any other unknown field is named in one warning per request."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from router.api_error import APIError
+from router.request_fields import check_fields
+
+pytestmark = pytest.mark.unit
+TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": TOOL}, "tools"), ({"tools": TOOL, "tool_choice": "required"}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"), ({"functions": [{"name": "f"}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"), ({"use_beam_search": True}, "use_beam_search"),
+    ({"best_of": 2}, "best_of"), ({"best_of": 3, "n": 2}, "best_of"),
+])
+def test_what_would_change_the_answer_is_refused(route: str, extra: dict, param: str) -> None:
+    with pytest.raises(APIError) as e:
+        check_fields({"prompt": "x", **extra}, route)
+    assert e.value.status == 400 and e.value.param == param and "not supported" in e.value.message
+
+
+def test_the_rest_is_ignored_aloud(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="pagedserve.router"):
+        body = {"messages": [], "store": True, "metadata": {}, "use_beam_search": False, "best_of": 1,
+                "tools": TOOL, "tool_choice": "none", "temperature": 0.5}
+        assert check_fields(body, "chat", "req-1") == ["best_of", "metadata", "store", "use_beam_search"]
+    assert "request req-1: ignoring fields that are not supported: best_of, metadata, store, use_beam_search, " \
+           "tools (tool_choice none: not rendered)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pagedserve.router"):
+        assert check_fields({"prompt": "x", "max_tokens": 3, "guided_regex": "a"}, "completions") == []
+    assert caplog.text == ""
