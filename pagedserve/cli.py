@@ -24,6 +24,7 @@ from pagedserve.cli_args import add_config_args, config_flags, config_from_args
 from pagedserve.engine_processes import EngineProcesses, Topology, usable_cpus, wait_all
 from pagedserve.vllm_flags import add_compat_args, check_compat
 from router.config import API_KEY_ENV, DEFAULT_FRONTEND, RouterConfig
+from router.tool_parsers import PARSERS
 
 DEFAULT_WORKERS = "tcp://127.0.0.1:5558"
 DEFAULT_LOG_LEVEL = "INFO"
@@ -74,6 +75,10 @@ _ROUTER_HELP = {
     "max_body_bytes": "largest request body accepted (413 above it)",
     "shutdown_timeout": "seconds in-flight requests get to finish on SIGTERM before they are aborted",
     "access_log": "log one line per HTTP request",
+    "enable_auto_tool_choice": "\"tool_choice\": \"auto\" (the default when a request has tools): the model's calls "
+                               "are read with --tool-call-parser",
+    "tool_call_parser": "how the model writes tool calls: hermes (<tool_call> JSON, Qwen/SmolLM/Hermes) or "
+                        "llama3_json",
 }
 def add_log_level_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=DEFAULT_LOG_LEVEL)
@@ -286,6 +291,10 @@ def check_router_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         SamplingParams(**defaults)             # a wrong type or range fails here, not on every request
     except (ValueError, TypeError) as e:
         parser.error(f"--generation-config / --override-generation-config: {e}")
+    if args.tool_call_parser is not None and args.tool_call_parser not in PARSERS:
+        parser.error(f"--tool-call-parser {args.tool_call_parser!r}: expected one of {', '.join(PARSERS)}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     names = args.served_model_name or []
     if not all(names):
         parser.error("--served-model-name: names must not be empty")

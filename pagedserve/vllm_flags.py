@@ -39,7 +39,7 @@ def _refuse(names: str | tuple[str, ...], kind: str, reason: str, accept: tuple[
 
 
 _NO_GRAPHS = "pagedserve runs eagerly: there are no CUDA graphs or compiled graphs to configure"
-_STRUCTURED = "structured output and tool calling are not implemented yet (issue #12)"
+_STRUCTURED = "structured output runs on xgrammar only, with its defaults"
 _MULTIMODAL = "multimodal inputs are not supported: pagedserve serves text-only decoder models"
 _OVERRIDES = "config overrides are not supported; edit the model's config.json instead"
 
@@ -114,11 +114,11 @@ COMPAT_FLAGS: tuple[CompatFlag, ...] = (
     _refuse("--rope-scaling", VALUE, _OVERRIDES),
     _refuse("--rope-theta", VALUE, _OVERRIDES),
     _refuse("--logits-processors", VALUE, "custom logits processors are not supported"),
-    _refuse("--guided-decoding-backend", VALUE, _STRUCTURED),
+    _notice("--guided-decoding-backend", VALUE, "structured output always runs on xgrammar", ("auto", "xgrammar"),
+            _STRUCTURED),
     _refuse("--structured-outputs-config", VALUE, _STRUCTURED),
-    _refuse("--enable-auto-tool-choice", SWITCH, _STRUCTURED, ("false",)),
-    _refuse("--tool-call-parser", VALUE, _STRUCTURED),
-    _refuse("--tool-parser-plugin", VALUE, _STRUCTURED),
+    _refuse("--tool-parser-plugin", VALUE, "tool-parser plugins are not supported; --tool-call-parser takes "
+            "hermes or llama3_json"),
     _refuse("--reasoning-parser", VALUE, "reasoning parsers are not implemented"),
     _refuse("--enable-reasoning", SWITCH, "reasoning parsers are not implemented", ("false",)),
     _refuse(("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs"), VALUE, "TLS is not served by pagedserve; "

@@ -54,6 +54,8 @@ class ServerState:
     max_model_len: int | None = None     # used only until the scheduler's Stats tell the real one
     aliases: tuple[str, ...] = ()        # the other --served-model-name names
     sampling_defaults: dict[str, Any] = field(default_factory=dict)   # generation_config.json's
+    auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "tokenize"))
     draining: bool = False
@@ -64,7 +66,7 @@ class ServerState:
     def model_info(self) -> ModelInfo:
         lora = bool(self.client.stats and self.client.stats.values.get("max_lora"))
         return ModelInfo(self.model_name, self.vocab_size, self.client.max_model_len or self.max_model_len or 0, lora,
-                         self.aliases, self.sampling_defaults)
+                         self.aliases, self.sampling_defaults, self.auto_tool_choice, self.tool_call_parser)
 
     def not_ready_reason(self) -> str | None:
         if self.draining:
@@ -136,7 +138,7 @@ async def stream_response(request: web.Request, g: Generation, api: API) -> web.
         await resp.write(enc.chunks(preamble))
     try:
         async for batch in g.deltas():
-            chunks = [c for s, d in batch if (c := api.stream_choice(g, s, d)) is not None]
+            chunks = [c for s, d in batch for c in _listed(api.stream_choice(g, s, d))]
             if chunks:
                 await resp.write(enc.chunks(chunks))
         if g.parsed.include_usage:
@@ -235,12 +237,18 @@ def auth_middleware(api_keys: list[str]) -> Callable:
     return check
 
 
+def _listed(chunk: dict | list | None) -> list:
+    """stream_choice gives one chunk, none, or several (a choice's tool calls)."""
+    return [] if chunk is None else chunk if isinstance(chunk, list) else [chunk]
+
+
 # ---- app -------------------------------------------------------------------------------------------
 def build_app(client: EngineClient, tokenizer: Any, model_name: str, *, api_key: str | list[str] | None = None,
               max_body_bytes: int = RouterConfig.max_body_bytes, vocab_size: int, model_root: str | None = None,
               max_model_len: int | None = None, allow_lora_updates: bool = False, aliases: tuple[str, ...] = (),
               sampling_defaults: dict[str, Any] | None = None, response_role: str = "assistant",
-              cors: CORSConfig | None = CORSConfig(), docs: bool = True) -> web.Application:
+              cors: CORSConfig | None = CORSConfig(), docs: bool = True, auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None) -> web.Application:
     """The router's aiohttp app. The caller owns `client` (starts and closes it); `max_model_len` is only a
     fallback for before the scheduler's first Stats, which carry the real value. `api_key`: one key or
     several; `cors`: None for no CORS headers at all."""
@@ -254,7 +262,8 @@ def build_app(client: EngineClient, tokenizer: Any, model_name: str, *, api_key:
                              model_root=model_root or model_name, vocab_size=vocab_size,
                              metrics=RouterMetrics(client, model_name, max_model_len or 1 << 17),
                              max_model_len=max_model_len,
-                             aliases=tuple(aliases), sampling_defaults=dict(sampling_defaults or {}))
+                             aliases=tuple(aliases), sampling_defaults=dict(sampling_defaults or {}),
+                             auto_tool_choice=auto_tool_choice, tool_call_parser=tool_call_parser)
     app.router.add_post("/v1/completions", generation_handler(CompletionAPI()))
     app.router.add_post("/v1/chat/completions", generation_handler(ChatAPI(response_role)))
     app.router.add_get("/v1/models", models)

@@ -47,13 +47,16 @@ def _content(c: Any, role: str, i: int) -> str:
 
 
 def render_chat(messages: list[dict[str, Any]], tokenizer: Any, *, add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> str:
+                continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> str:
+    """`tools`: the function objects, passed to the template as transformers' apply_chat_template takes
+    them (a template that does not read them renders without)."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad("this model has no chat template; use /v1/completions or start with --chat-template", "messages")
     if add_generation_prompt and continue_final_message:
         raise bad("'add_generation_prompt' and 'continue_final_message' cannot both be true", "messages")
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message)
+                                             continue_final_message=continue_final_message,
+                                             tools=[{"type": "function", "function": f} for f in tools] if tools else None)
     except Exception as e:   # template errors (e.g. "roles must alternate") are the client's input
         raise bad(f"the messages could not be rendered with the model's chat template: {e}", "messages") from None

@@ -48,6 +48,8 @@ class RouterConfig:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"], metadata={"json": True})
     allow_credentials: bool = False
     disable_fastapi_docs: bool = False        # vLLM's name: no /docs, /openapi.json
+    enable_auto_tool_choice: bool = False     # vLLM's: "tool_choice": "auto" (the default with tools) parses calls
+    tool_call_parser: str | None = None       # hermes | llama3_json: how the model writes its calls
 
 
 def runtime_lora_updating_allowed() -> bool:

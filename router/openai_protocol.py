@@ -19,6 +19,7 @@ from common.sampling_params import MAX_TOP_LOGPROBS, ParamError, SamplingParams
 from router.api_error import APIError, bad
 from router.chat_messages import parse_messages, render_chat
 from router.request_fields import check_fields
+from router.tools import ToolRequest, parse_tools
 
 # A completions call may carry a batch of prompts; each becomes an engine request of its own.
 MAX_PROMPTS = 256
@@ -35,6 +36,8 @@ class ModelInfo:
     aliases: tuple[str, ...] = ()  # --served-model-name's other names: the base model too
     # generation_config.json's defaults (SamplingParams names), for fields a request leaves out
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    auto_tool_choice: bool = False   # --enable-auto-tool-choice
+    tool_call_parser: str | None = None
 
 
 @dataclass
@@ -56,6 +59,7 @@ class ParsedRequest:
     user: str | None = None
     lora_name: str | None = None    # the adapter `model` names; None: the base model
     model_name: str | None = None   # `model` as the client sent it: responses echo it, as vLLM's do
+    tools: ToolRequest | None = None   # chat with tool_choice auto, required or named (router/tools.py)
 
     @property
     def lora(self) -> LoRARequest | None:
@@ -222,7 +226,7 @@ def _capped(max_tokens: int, model: ModelInfo) -> int:
 
 
 def _sampling_params(body: dict, model: ModelInfo, max_tokens: int | None, logprobs: int | None,
-                     prompt_logprobs: int | None) -> SamplingParams:
+                     prompt_logprobs: int | None, tools: ToolRequest | None = None) -> SamplingParams:
     """Everything both APIs share; range checks are SamplingParams' own, reported with their param."""
     top_k = _int(body, "top_k")
     kwargs = dict(
@@ -244,6 +248,12 @@ def _sampling_params(body: dict, model: ModelInfo, max_tokens: int | None, logpr
             kwargs[k] = -1 if k == "top_k" and (v == 0 or v >= model.vocab_size) else v
     try:
         structured = structured_output.from_request(body)
+        forced = tools.constraint() if tools else None
+        if forced is not None:
+            if structured is not None:
+                raise ParamError("a required or named tool_choice cannot be combined with another structured "
+                                 "output constraint", "tool_choice")
+            structured = forced
         if structured is not None:
             structured_output.check(structured)
         return SamplingParams(max_tokens=max_tokens, stop=_stop(body), logit_bias=_logit_bias(body, model),
@@ -333,11 +343,12 @@ def parse_chat_request(body: dict, tokenizer: Any, model: ModelInfo) -> ParsedRe
             raise bad(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
     logprobs = _or(top, 0) if want_logprobs else None
     requested = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
-    text = render_chat(parse_messages(body.get("messages")), tokenizer)
+    tools = parse_tools(body, model.auto_tool_choice, model.tool_call_parser)
+    text = render_chat(parse_messages(body.get("messages")), tokenizer, tools=tools.tools if tools else None)
     ids = encode(tokenizer, text, "messages", add_special_tokens=False)
     if not ids:
         raise bad("the rendered chat prompt is empty", "messages")
     max_tokens = _capped(check_length(len(ids), requested, model, "messages"), model)
-    params = _sampling_params(body, model, max_tokens, logprobs, None)
+    params = _sampling_params(body, model, max_tokens, logprobs, None, tools)
     return ParsedRequest(True, [PromptInput(ids, text)], params, stream, include_usage, False, logprobs,
-                         _str(body, "user"), lora_name, _str(body, "model"))
+                         _str(body, "user"), lora_name, _str(body, "model"), tools)

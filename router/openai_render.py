@@ -18,6 +18,7 @@ from common.output_processor import Choice, ChoiceDelta
 from common.protocol import Logprob
 from router.generation import Generation, SubRequest
 from router.openai_protocol import APIError, parse_chat_request, parse_completion_request
+from router.tools import openai_calls, stream_deltas
 
 MIN_LOGPROB = -9999.0           # -inf is not JSON; vLLM clamps the same way
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -158,7 +159,9 @@ class ChatAPI:
         return [{"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(len(g.streams))]
 
-    def stream_choice(self, g: Generation, s: SubRequest, d: ChoiceDelta) -> dict[str, Any] | None:
+    def stream_choice(self, g: Generation, s: SubRequest, d: ChoiceDelta) -> dict[str, Any] | list | None:
+        if g.parsed.tools is not None:
+            return self._stream_tools(g, s, d)
         logprobs = self._logprobs(g, d.token_ids, d.logprobs)
         if not d.text and not (logprobs and logprobs["content"]) and d.finish_reason is None:
             return None
@@ -166,8 +169,34 @@ class ChatAPI:
                 "logprobs": logprobs, "finish_reason": d.finish_reason}
 
     def full_choice(self, g: Generation, s: SubRequest, c: Choice) -> dict[str, Any]:
-        return {"index": s.first_index + c.index, "message": {"role": self.role, "content": c.text},
-                "logprobs": self._logprobs(g, c.token_ids, c.logprobs), "finish_reason": c.finish_reason}
+        message: dict[str, Any] = {"role": self.role, "content": c.text}
+        finish = c.finish_reason
+        if g.parsed.tools is not None:
+            message, finish = self._tool_message(g, c.text, finish)
+        return {"index": s.first_index + c.index, "message": message,
+                "logprobs": self._logprobs(g, c.token_ids, c.logprobs), "finish_reason": finish}
+
+    def _tool_message(self, g: Generation, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """The message of a finished choice that may call tools, and its finish_reason."""
+        found = g.parsed.tools.extract(text, g.st.tool_call_parser)
+        message: dict[str, Any] = {"role": self.role, "content": found.content}
+        if found.calls:
+            message["tool_calls"] = openai_calls(found.calls)
+            finish = "tool_calls" if finish == "stop" else finish
+        return message, finish
+
+    def _stream_tools(self, g: Generation, s: SubRequest, d: ChoiceDelta) -> list[dict[str, Any]] | None:
+        """With tools, a choice's text is held back until it ends (a call can only be read whole): then its
+        content, and each call as OpenAI streams it (id, type and name, then the arguments), go out."""
+        if d.finish_reason is None:
+            return None
+        choice = next(c for c in s.tracker.choices if c.index == d.index)
+        message, finish = self._tool_message(g, choice.text, d.finish_reason)
+        index = s.first_index + d.index
+        deltas = ([{"content": message["content"]}] if message["content"] else []) + \
+            stream_deltas(message.get("tool_calls", []))
+        out = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas]
+        return out + [{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}]
 
     @staticmethod
     def _logprobs(g: Generation, ids: list[int], lps: list[Logprob] | None) -> dict[str, Any] | None:

@@ -18,11 +18,9 @@ log = logging.getLogger("pagedserve.router")
 
 # field -> (is the value one that would change the answer?, why it is refused)
 _REFUSED: dict[str, tuple[Callable[[Any, dict], bool], str]] = {
-    "tools": (lambda v, body: bool(v) and body.get("tool_choice") != "none",
-              "tool calling is not supported yet: 'tools' only with \"tool_choice\": \"none\""),
-    "tool_choice": (lambda v, body: v not in (None, "none"), "tool calling is not supported yet"),
-    "functions": (lambda v, body: bool(v), "function calling is not supported yet"),
-    "function_call": (lambda v, body: v not in (None, "none"), "function calling is not supported yet"),
+    "functions": (lambda v, body: bool(v), "the deprecated 'functions' are not supported; use 'tools'"),
+    "function_call": (lambda v, body: v not in (None, "none"), "the deprecated 'function_call' is not supported; "
+                                                              "use 'tool_choice'"),
     "use_beam_search": (lambda v, body: bool(v), "beam search is not supported yet"),
     "best_of": (lambda v, body: v is not None and v != body.get("n", 1),
                 "'best_of' is not supported (as in vLLM's V1 engine); use n"),
@@ -37,9 +35,12 @@ def check_fields(body: dict, route: str, request_id: str | None = None) -> list[
     for name, (in_use, why) in _REFUSED.items():
         if name in body and in_use(body[name], body):
             raise bad(why, name)
+    if route == "completions":
+        for name in ("tools", "tool_choice"):
+            if body.get(name) not in (None, "none", []):
+                raise bad(f"'{name}' is for /v1/chat/completions", name)
     known = set(SCHEMAS[_SCHEMA[route]]["properties"]) | _ALSO_READ
     ignored = sorted(k for k in body if k not in known)
-    if ignored or body.get("tools"):
-        names = ignored + (["tools (tool_choice none: not rendered)"] if body.get("tools") else [])
-        log.warning("request %s: ignoring fields that are not supported: %s", request_id or "-", ", ".join(names))
+    if ignored:
+        log.warning("request %s: ignoring fields that are not supported: %s", request_id or "-", ", ".join(ignored))
     return ignored

@@ -53,7 +53,8 @@ async def _serve(config: RouterConfig) -> None:
                     max_body_bytes=config.max_body_bytes, vocab_size=vocab_size, model_root=str(source.path),
                     max_model_len=client.max_model_len,     # known once the engine's Stats arrived
                     allow_lora_updates=runtime_lora_updating_allowed(), sampling_defaults=defaults,
-                    response_role=config.response_role, cors=cors, docs=not config.disable_fastapi_docs)
+                    response_role=config.response_role, cors=cors, docs=not config.disable_fastapi_docs,
+                    auto_tool_choice=config.enable_auto_tool_choice, tool_call_parser=config.tool_call_parser)
     runner = await _start_site(app, config)
     log.info("router %s serving %s on http://%s:%s", client.client_id, app[STATE].model_name, config.host,
              config.port)

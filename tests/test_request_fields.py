@@ -15,10 +15,8 @@ TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "o
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
 @pytest.mark.parametrize("extra,param", [
-    ({"tools": TOOL}, "tools"), ({"tools": TOOL, "tool_choice": "required"}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"), ({"functions": [{"name": "f"}]}, "functions"),
-    ({"function_call": "auto"}, "function_call"), ({"use_beam_search": True}, "use_beam_search"),
-    ({"best_of": 2}, "best_of"), ({"best_of": 3, "n": 2}, "best_of"),
+    ({"functions": [{"name": "f"}]}, "functions"), ({"function_call": "auto"}, "function_call"),
+    ({"use_beam_search": True}, "use_beam_search"), ({"best_of": 2}, "best_of"), ({"best_of": 3, "n": 2}, "best_of"),
 ])
 def test_what_would_change_the_answer_is_refused(route: str, extra: dict, param: str) -> None:
     with pytest.raises(APIError) as e:
@@ -26,13 +24,21 @@ def test_what_would_change_the_answer_is_refused(route: str, extra: dict, param:
     assert e.value.status == 400 and e.value.param == param and "not supported" in e.value.message
 
 
+@pytest.mark.parametrize("extra,param", [({"tools": TOOL}, "tools"), ({"tool_choice": "required"}, "tool_choice")])
+def test_tools_are_for_chat(extra: dict, param: str) -> None:
+    with pytest.raises(APIError) as e:
+        check_fields({"prompt": "x", **extra}, "completions")
+    assert e.value.param == param and "/v1/chat/completions" in e.value.message
+    check_fields({"messages": [], **extra}, "chat")
+
+
 def test_the_rest_is_ignored_aloud(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="pagedserve.router"):
         body = {"messages": [], "store": True, "metadata": {}, "use_beam_search": False, "best_of": 1,
                 "tools": TOOL, "tool_choice": "none", "temperature": 0.5}
         assert check_fields(body, "chat", "req-1") == ["best_of", "metadata", "store", "use_beam_search"]
-    assert "request req-1: ignoring fields that are not supported: best_of, metadata, store, use_beam_search, " \
-           "tools (tool_choice none: not rendered)" in caplog.text
+    assert "request req-1: ignoring fields that are not supported: best_of, metadata, store, use_beam_search" \
+        in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="pagedserve.router"):
         assert check_fields({"prompt": "x", "max_tokens": 3, "guided_regex": "a"}, "completions") == []

@@ -108,8 +108,8 @@ def test_meaningless_flags_are_accepted_with_a_notice(argv):
 
 @pytest.mark.parametrize("argv,named", [(("-pp", "2"), "--pipeline-parallel-size/-pp 2"),
                                         (("--distributed-executor-backend", "ray"), "--distributed-executor-backend"),
-                                        (("--tool-call-parser", "hermes"), "--tool-call-parser"),
-                                        (("--enable-auto-tool-choice",), "--enable-auto-tool-choice"),
+                                        (("--tool-parser-plugin", "p.py"), "--tool-parser-plugin"),
+                                        (("--guided-decoding-backend", "outlines"), "--guided-decoding-backend"),
                                         (("--ssl-keyfile", "k.pem"), "--ssl-keyfile"),
                                         (("--scheduling-policy", "priority"), "--scheduling-policy"),
                                         (("--cpu-offload-gb", "4"), "--cpu-offload-gb"),
@@ -117,6 +117,13 @@ def test_meaningless_flags_are_accepted_with_a_notice(argv):
 def test_unsupported_flags_are_errors_naming_them(capsys, argv, named):
     err = refused(capsys, *argv)
     assert named in err and "not supported" in err
+
+
+def test_the_tool_flags_are_checked(capsys):
+    assert "--enable-auto-tool-choice requires --tool-call-parser" in refused(capsys, "--enable-auto-tool-choice")
+    assert "expected one of hermes, llama3_json" in refused(capsys, "--tool-call-parser", "mistral")
+    args, notices = parse("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes" and notices == []
 
 
 def test_the_values_that_mean_nothing_pass_silently():
