@@ -142,6 +142,13 @@ def write_json(path: Path | str, payload: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
 
 
+def print_and_save(payload: dict[str, Any], path: Path | str | None) -> None:
+    """A small benchmark's result: printed, and written to `path` when one is given."""
+    print(json.dumps(payload, indent=1, default=_jsonable))
+    if path:
+        write_json(path, payload)
+
+
 def _jsonable(o: Any) -> Any:
     if hasattr(o, "__dataclass_fields__"):
         return asdict(o)

@@ -10,9 +10,9 @@ pass, and their application), not a shorter output. The default model, default f
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
+from loadtest.report import print_and_save
 from pagedserve import LLM, SamplingParams, StructuredOutputsParams
 
 SCHEMA = {"type": "array", "minItems": 40, "items": {
@@ -55,11 +55,7 @@ def main() -> None:
               "cost_of_best": round(1 - best["json_schema"] / best["unconstrained"], 3),
               "cost_of_median": round(1 - sorted(rows["json_schema"])[len(rows["json_schema"]) // 2]
                                       / sorted(rows["unconstrained"])[len(rows["unconstrained"]) // 2], 3)}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_and_save(result, args.out)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ hidden states: 2 per layer, plus the embedding's and the logits gather, are 62 a
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
+from loadtest.report import print_and_save
 from pagedserve import LLM, SamplingParams
 
 DECODE_TOKENS = 32
@@ -96,11 +96,7 @@ def main() -> None:
     result["gloo_allreduce_us_by_rows"] = allreduce_us(args.batches)
     for key in result["tp1"]:
         result.setdefault("tp2_over_tp1", {})[key] = round(min(result["tp2"][key]) / min(result["tp1"][key]), 2)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_and_save(result, args.out)
 
 
 if __name__ == "__main__":
