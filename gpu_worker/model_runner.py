@@ -34,9 +34,10 @@ from gpu_worker.spec_decode import Proposer, build_proposer
 from gpu_worker.spec_decode.proposer import CachePair, fit_drafts
 from gpu_worker.spec_decode.rejection import verify
 from gpu_worker.step_inputs import PromptLogprobRows, SequenceState, StepInputs, build_step_inputs
-if TYPE_CHECKING:
-    from gpu_worker.structured_output import StructuredOutputManager
 from gpu_worker.weight_loader import load_model, weight_bytes
+
+if TYPE_CHECKING:      # imported on the first constrained sequence (xgrammar loads with it)
+    from gpu_worker.structured_output import StructuredOutputManager
 
 log = logging.getLogger("pagedserve.worker")
 PER_HOST_FLAGS = ("num_threads", "download_dir")     # may differ between the hosts of one group
