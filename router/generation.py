@@ -47,6 +47,7 @@ class ChoiceStream:
     """Streaming bookkeeping of one choice."""
     started: bool = False       # completions: the echoed prompt has gone out
     text_offset: int = 0        # completions logprobs: where the next token starts in the choice's text
+    tool_call_id: str | None = None   # chat with a named tool_choice: the call being streamed
 
 
 class Generation:

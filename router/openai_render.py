@@ -18,7 +18,7 @@ from common.output_processor import Choice, ChoiceDelta
 from common.protocol import Logprob
 from router.generation import Generation, SubRequest
 from router.openai_protocol import APIError, parse_chat_request, parse_completion_request
-from router.tools import openai_calls, stream_deltas
+from router.tools import new_call_id, openai_calls, stream_deltas
 
 MIN_LOGPROB = -9999.0           # -inf is not JSON; vLLM clamps the same way
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -186,8 +186,11 @@ class ChatAPI:
         return message, finish
 
     def _stream_tools(self, g: Generation, s: SubRequest, d: ChoiceDelta) -> list[dict[str, Any]] | None:
-        """With tools, a choice's text is held back until it ends (a call can only be read whole): then its
-        content, and each call as OpenAI streams it (id, type and name, then the arguments), go out."""
+        """A named tool_choice streams its one call as the text comes (the text is its arguments). Otherwise
+        a choice's text is held back until it ends (a call can only be read whole): then its content, and
+        each call as OpenAI streams it (id, type and name, then the arguments), go out."""
+        if g.parsed.tools.mode == "named":
+            return self._stream_named(g, s, d)
         if d.finish_reason is None:
             return None
         choice = next(c for c in s.tracker.choices if c.index == d.index)
@@ -197,6 +200,23 @@ class ChatAPI:
             stream_deltas(message.get("tool_calls", []))
         out = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas]
         return out + [{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}]
+
+    @staticmethod
+    def _stream_named(g: Generation, s: SubRequest, d: ChoiceDelta) -> list[dict[str, Any]]:
+        index = s.first_index + d.index
+        cs = g.streams[index]
+        deltas = []
+        if cs.tool_call_id is None:
+            cs.tool_call_id = new_call_id()
+            deltas.append({"tool_calls": [{"index": 0, "id": cs.tool_call_id, "type": "function",
+                                           "function": {"name": g.parsed.tools.name, "arguments": ""}}]})
+        if d.text:
+            deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]})
+        out = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas]
+        if d.finish_reason is not None:
+            finish = "tool_calls" if d.finish_reason == "stop" else d.finish_reason
+            out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish})
+        return out
 
     @staticmethod
     def _logprobs(g: Generation, ids: list[int], lps: list[Logprob] | None) -> dict[str, Any] | None:

@@ -98,10 +98,14 @@ def _is_tool(t: Any) -> bool:
         isinstance(f.get("parameters", {}), dict)
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def openai_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
     """OpenAI's `tool_calls`: each with its own id."""
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
 
 
 def stream_deltas(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:

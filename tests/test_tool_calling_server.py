@@ -68,11 +68,15 @@ def test_required_and_named_calls_always_parse_with_valid_arguments(sdk, choice:
             assert [n for n, _ in calls] == [name]
 
 
-def test_streamed_calls_accumulate_to_the_non_streamed_ones(sdk) -> None:
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_streamed_calls_accumulate_to_the_non_streamed_ones(sdk, choice) -> None:
+    """Named: the arguments stream as they are generated (many fragments); required: in one piece."""
     kw = dict(model=sdk.model_id, messages=[{"role": "user", "content": ASKS[0]}], tools=TOOLS,
-              tool_choice="required", max_tokens=120, temperature=0, parallel_tool_calls=False)
+              tool_choice=choice, max_tokens=120, temperature=0, parallel_tool_calls=False)
     whole = sdk.chat.completions.create(**kw).choices[0]
     calls: dict[int, dict] = {}
+    fragments = 0
     finish = None
     for chunk in sdk.chat.completions.create(**kw, stream=True):
         for ch in chunk.choices:
@@ -85,10 +89,12 @@ def test_streamed_calls_accumulate_to_the_non_streamed_ones(sdk) -> None:
                     acc["name"] += tc.function.name
                 if tc.function and tc.function.arguments:
                     acc["arguments"] += tc.function.arguments
+                    fragments += 1
     assert finish == whole.finish_reason == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
         [(t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls]
     assert all(c["id"] and c["id"].startswith("call_") for c in calls.values())
+    assert fragments > 3 if isinstance(choice, dict) else fragments == len(calls)
 
 
 def test_a_round_trip_call_result_and_answer(sdk) -> None:

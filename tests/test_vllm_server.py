@@ -41,7 +41,7 @@ def launch_line(hub: str, template: str, tokenizer: str) -> list[str]:
     ]
 
 
-UNSUPPORTED = [("-pp", "2"), ("--tool-call-parser", "hermes"), ("--enable-auto-tool-choice",),
+UNSUPPORTED = [("-pp", "2"), ("--tool-parser-plugin", "plugin.py"), ("--guided-decoding-backend", "outlines"),
                ("--ssl-keyfile", "key.pem"), ("--distributed-executor-backend", "ray"), ("--enable-sleep-mode",),
                ("--cpu-offload-gb", "2"), ("--speculative-model", "draft"), ("--task", "embed"),
                ("--reasoning-parser", "deepseek_r1"), ("--limit-mm-per-prompt", '{"image": 1}')]
