@@ -90,15 +90,15 @@ def iter_gguf(source: ModelSource, keep_quantized: bool = False,
         if name is None:
             continue
         heads = _rope_heads(arch, source, name)
-        if keep_quantized and t.tensor_type in GGUF_SUPPORTED and len(t.shape) == 2:
-            raw = t.data.reshape(int(t.shape[1]), -1)
-            yield name, GGUFTensor(raw, t.tensor_type, (int(t.shape[1]), int(t.shape[0])), heads)
+        matrix = GGUFTensor(t.data.view(np.uint8).reshape(int(t.shape[1]), -1), t.tensor_type,
+                            (int(t.shape[1]), int(t.shape[0])), heads) if len(t.shape) == 2 else None
+        if keep_quantized and t.tensor_type in GGUF_SUPPORTED and matrix is not None:
+            yield name, matrix
             continue
         if keep_quantized and t.tensor_type not in (T.F32, T.F16, T.BF16):
             expanded.add(f"{t.tensor_type.name}{' experts' if len(t.shape) == 3 else ''}")
-        if lazy and len(t.shape) == 2:
-            raw = t.data.view(np.uint8).reshape(int(t.shape[1]), -1)
-            yield name, ExpandedOnRead(GGUFTensor(raw, t.tensor_type, (int(t.shape[1]), int(t.shape[0])), heads))
+        if lazy and matrix is not None:
+            yield name, ExpandedOnRead(matrix)
             continue
         arr = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
         if heads is not None:

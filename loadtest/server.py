@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,16 +18,11 @@ import urllib.request
 from pathlib import Path
 
 from loadtest.workload import REPO_ROOT
+from pagedserve.engine_processes import free_port
 
 
 class ServerFailed(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

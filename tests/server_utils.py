@@ -6,7 +6,6 @@ import asyncio
 import inspect
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,8 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, Mapping
+
+from pagedserve.engine_processes import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 LOG_TAIL = 3000            # characters of a log shown when a process fails
@@ -53,12 +54,6 @@ async def async_wait_until(cond: Callable[[], Any | Awaitable[Any]], timeout: fl
 
 
 # ---- probes ----------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def listens(port: int) -> bool:
     """Whether a socket listens on 127.0.0.1:`port`, read from /proc/net/tcp. Nothing connects to it: a
     ZeroMQ socket counts a peer that connects and goes away (the scheduler takes it for a dead worker)."""

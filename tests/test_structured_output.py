@@ -224,3 +224,24 @@ def test_constraints_hold_with_n_prefix_caching_and_speculative_decoding(default
         greedy_texts.append([o.outputs[0].text for o in llm.generate([prompt], greedy, use_tqdm=False)])
     assert greedy_texts[1] == greedy_texts[0], "drafts under the grammar must not change greedy output"
     assert llm.stats.spec_num_draft_tokens > 0
+
+
+@pytest.mark.unit
+def test_the_compiled_grammar_cache_is_bounded_and_reuses_by_text(backend, monkeypatch) -> None:
+    from gpu_worker.structured_output import manager as m
+    monkeypatch.setattr(m, "MAX_CACHED", 2)
+    mgr = m.StructuredOutputManager(lambda: backend)
+
+    def seq(regex: str):
+        class St:
+            seq_id, num_prompt_tokens, token_ids, grammar = "s", 1, [0], None
+            params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=regex))
+        st = St()
+        mgr.add(st)
+        return st.grammar.compiled
+    a = seq("a+")
+    assert seq("a+") is a                                  # the same text compiles once
+    seq("b+")
+    seq("a+")                                              # used again: now the most recent
+    seq("c+")                                              # evicts b+, the least recently used
+    assert [k[1] for k in mgr._compiled] == ["a+", "c+"]

@@ -24,6 +24,7 @@ import torch
 from gpu_worker.structured_output.backend import GrammarBackend, GrammarMatcher
 
 log = logging.getLogger("pagedserve.worker")
+MAX_CACHED = 256          # compiled grammars kept for reuse, least recently used dropped first
 
 
 @dataclass
@@ -50,11 +51,14 @@ class StructuredOutputManager:
         return self._backend
 
     def add(self, st: Any) -> None:
-        """Start compiling `st`'s grammar (a SequenceState with structured_outputs in its params)."""
+        """Start compiling `st`'s grammar (a SequenceState with structured_outputs in its params). The
+        cache keeps the MAX_CACHED most recently used texts (a sequence holds its own grammar)."""
         key = st.params.structured_outputs.key
-        if key not in self._compiled:
-            self._compiled[key] = self._compile_pool.submit(lambda: self.backend.compile(*key))
-        st.grammar = GrammarState(self._compiled[key], st.token_ids[st.num_prompt_tokens:])
+        compiled = self._compiled.pop(key, None) or self._compile_pool.submit(lambda: self.backend.compile(*key))
+        self._compiled[key] = compiled                       # most recent last
+        if len(self._compiled) > MAX_CACHED:
+            del self._compiled[next(iter(self._compiled))]
+        st.grammar = GrammarState(compiled, st.token_ids[st.num_prompt_tokens:])
 
     def _matcher(self, st: Any) -> GrammarMatcher:
         g = st.grammar

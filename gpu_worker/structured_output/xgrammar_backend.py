@@ -33,7 +33,8 @@ class XGrammarBackend:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # the manager caches compiled grammars by text (bounded): xgrammar's own cache would hold them twice
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def compile(self, kind: str, text: str, strict_whitespace: bool = False) -> Any:
         return self.compiler.compile_grammar(grammar_of(xgr, kind, text, strict_whitespace))
