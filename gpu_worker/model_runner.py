@@ -211,15 +211,22 @@ class ModelRunner:
         return num, host
 
     def _dummy_forward(self) -> None:
-        """One full-budget step on a throwaway cache, so profiling sees the peak activation memory."""
+        """One full-budget step on a throwaway cache, so profiling sees the peak activation memory: as
+        sequences of at most max_model_len tokens (positions past it are outside the rope tables)."""
         n = self.config.max_num_batched_tokens
         saved = self.kv_caches, self.layer_caches
-        num_blocks = max(1, -(-n // self.block_size))
-        self.init_kv_cache(num_blocks, 0)
-        seq = NewSequenceData("__profile__", [0] * n, n, SamplingParams(max_tokens=1, temperature=0),
-                              [b for b in range(num_blocks) for _ in range(self.kv_layout.num_groups)], 0, n)
-        self.execute(SchedulerOutput(step_id=-1, new_seqs=[seq]))
-        self.seqs.pop(seq.seq_id)
+        lens = [min(self.max_model_len, n - start) for start in range(0, n, self.max_model_len)]
+        per_seq = [-(-m // self.block_size) for m in lens]
+        self.init_kv_cache(sum(per_seq), 0)
+        seqs, first = [], 0
+        for i, (m, nb) in enumerate(zip(lens, per_seq)):
+            table = [b for b in range(first, first + nb) for _ in range(self.kv_layout.num_groups)]
+            seqs.append(NewSequenceData(f"__profile{i}__", [0] * m, m, SamplingParams(max_tokens=1, temperature=0),
+                                        table, 0, m))
+            first += nb
+        self.execute(SchedulerOutput(step_id=-1, new_seqs=seqs))
+        for seq in seqs:
+            self.seqs.pop(seq.seq_id)
         self.kv_caches, self.layer_caches = saved
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:

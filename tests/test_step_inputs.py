@@ -70,3 +70,19 @@ def test_prompt_logprob_rows_per_chunk() -> None:
     last = build_step_inputs({"p": state("p", tokens, 8, [0, 1, 2], params=params)}, [("p", 2)], BS, CPU)
     rows = last.prompt_logprobs["p"]
     assert not rows.first_chunk and rows.rows.tolist() == [0] and rows.next_ids.tolist() == [59]
+
+
+def test_profiling_step_keeps_positions_within_the_context(tiny_model, monkeypatch) -> None:
+    """The memory-profiling forward runs a full token budget; where the budget exceeds max_model_len it is
+    several sequences, since positions past the context index beyond the rope tables (on the GPU a
+    device-side assert that killed the 7B benchmark's start-up)."""
+    from common.config import EngineConfig
+    from gpu_worker.model_runner import ModelRunner
+    runner = ModelRunner(EngineConfig(model=str(tiny_model("llama")), dtype="float32", max_model_len=48,
+                                      max_num_batched_tokens=130, kv_cache_memory=0.01))
+    seen = []
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda sched: seen.append(sched) or execute(sched))
+    runner._dummy_forward()
+    lens = [len(s.token_ids) for s in seen[0].new_seqs]
+    assert lens == [48, 48, 34] and not runner.seqs

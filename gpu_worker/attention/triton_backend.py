@@ -146,8 +146,9 @@ def _paged_attention_kernel(
             s = tl.dot(q, k.to(q.dtype))
         if SOFTCAP:
             # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates cleanly at +-1 (exp overflows to inf, or to 0)
-            x = s * (qk_scale / _LOG2E / softcap)
-            s = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (softcap * _LOG2E)
+            # (log2(e) written out: a compiled kernel reads no plain Python globals, the interpreter does)
+            x = s * (qk_scale / 1.4426950408889634 / softcap)
+            s = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (softcap * 1.4426950408889634)
         else:
             s = s * qk_scale
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
