@@ -31,6 +31,7 @@ class Choice:
     logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None     # beam search: the finished beam's score before length penalty
 
     @property
     def text(self) -> str:
@@ -70,6 +71,8 @@ class RequestTracker:
         self.num_cached_tokens = max(self.num_cached_tokens, eo.num_cached_tokens)
         if eo.error:
             self.error = eo.error
+        if eo.cumulative_logprob is not None:
+            c.cumulative_logprob = eo.cumulative_logprob
         if c.finish_reason is not None:
             return None
         tokens = eo.new_token_ids

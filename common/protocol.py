@@ -103,6 +103,9 @@ class SchedulerOutput:
     # (slot, adapter key, folder): load the adapter into that slot before this step runs (it replaces the
     # slot's previous adapter, which no sequence of this step uses)
     lora_loads: list[tuple[int, int, str]] = field(default_factory=list)
+    # Beam search picks each beam's next token from the candidates after the step that sampled it, so the
+    # worker's own sample (its top-1) may not be it: seq_id -> the token that replaces the worker's last one
+    replaced_token_ids: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_tokens(self) -> int:
@@ -141,6 +144,7 @@ class EngineOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     queue_time: float | None = None        # seconds from arrival to first scheduling, on the first output
+    cumulative_logprob: float | None = None    # beam search: the finished beam's sum of token logprobs
 
 
 @dataclass

@@ -13,6 +13,11 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+EARLY_STOPPING = (True, False, "never")     # Hugging Face's (and vLLM v0's) beam-search stopping rules
+# fields that reshape the distribution beam search ranks by (field, its neutral value): refused with it
+_NOT_WITH_BEAMS = (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0), ("presence_penalty", 0.0),
+                   ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("logit_bias", None), ("min_tokens", 0),
+                   ("stop", []), ("structured_outputs", None))
 
 
 class ParamError(ValueError):
@@ -54,6 +59,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # streaming in-process (AsyncLLMEngine)
     structured_outputs: StructuredOutputsParams | None = None       # common/structured_output.py
+    # beam search (vLLM v0's fields): n is the beam width; beams are ranked by the model's log-probabilities
+    # (temperature and seed are not used), finished ones by cum_logprob / generated_len ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         self.output_kind = RequestOutputKind(self.output_kind)
@@ -103,6 +113,17 @@ class SamplingParams:
         if self.logit_bias:
             check(all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
                   "logit_bias values must be in [-100, 100]", "logit_bias")
+        if self.use_beam_search:
+            self._validate_beam_search(check)
+
+    def _validate_beam_search(self, check) -> None:
+        check(self.early_stopping in EARLY_STOPPING and type(self.early_stopping) in (bool, str),
+              f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}", "early_stopping")
+        check(-10.0 <= self.length_penalty <= 10.0,
+              f"length_penalty must be in [-10, 10], got {self.length_penalty}", "length_penalty")
+        for name, neutral in _NOT_WITH_BEAMS:
+            value = getattr(self, name)
+            check(value == neutral or not (value or neutral), f"{name} is not supported with beam search", name)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -117,3 +138,24 @@ class SamplingParams:
         if d.get("logit_bias"):
             d["logit_bias"] = {int(k): float(v) for k, v in d["logit_bias"]}
         return cls(**d)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's offline beam-search parameters (`LLM.beam_search`), plus Hugging Face's `early_stopping`.
+
+    `temperature` is accepted for vLLM's signature and not used: beams are ranked by the model's own
+    log-probabilities, as in HF's `generate(num_beams=..., do_sample=False)`."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+
+    def to_sampling_params(self) -> SamplingParams:
+        return SamplingParams(n=self.beam_width, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                              temperature=0.0, length_penalty=self.length_penalty, use_beam_search=True,
+                              early_stopping=self.early_stopping,
+                              include_stop_str_in_output=self.include_stop_str_in_output)

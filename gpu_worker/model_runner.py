@@ -391,6 +391,8 @@ class ModelRunner:
             st.block_ids.extend(r.block_ids)
             st.num_computed_tokens = r.num_computed_tokens
             st.spec_token_ids = sched.spec_token_ids.get(r.seq_id, [])
+        for seq_id, token in sched.replaced_token_ids.items():     # beam search chose another continuation
+            self.seqs[seq_id].token_ids[-1] = token
 
     def _move_blocks(self, pairs: list[tuple[int, int]], src: str, dst: str) -> None:
         """Copy blocks between "device" and "host" caches of every cache pair."""

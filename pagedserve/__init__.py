@@ -3,11 +3,11 @@
 Offline use: `from pagedserve import LLM, SamplingParams`; asyncio programs: `AsyncLLMEngine`.
 """
 from common.lora import LoRARequest
-from common.sampling_params import RequestOutputKind, SamplingParams
+from common.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from common.structured_output import GuidedDecodingParams, StructuredOutputsParams
 from pagedserve.async_engine import AsyncLLM, AsyncLLMEngine, EngineDeadError
-from pagedserve.llm import LLM, CompletionOutput, RequestOutput
+from pagedserve.llm import LLM, BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
 
 __all__ = ["LLM", "AsyncLLMEngine", "AsyncLLM", "EngineDeadError", "SamplingParams", "RequestOutputKind", "LoRARequest",
-           "RequestOutput", "CompletionOutput", "StructuredOutputsParams", "GuidedDecodingParams"]
+           "RequestOutput", "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "StructuredOutputsParams", "GuidedDecodingParams"]
 __version__ = "0.1.0"

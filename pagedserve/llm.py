@@ -17,7 +17,7 @@ from common.lora import LoRARequest
 from common.model_source import ModelSource, eos_token_ids
 from common.output_processor import RequestTracker
 from common.protocol import EngineRequest, Logprob
-from common.sampling_params import SamplingParams
+from common.sampling_params import BeamSearchParams, SamplingParams
 from common.structured_output import check as check_structured_output
 from common.tp_layout import check_config
 from scheduler.engine_core import EngineCore
@@ -36,6 +36,23 @@ class CompletionOutput:
     logprobs: list[Logprob] | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None     # beam search (vLLM's field); None otherwise
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam of `LLM.beam_search`, as vLLM's: `tokens` and `text` include the prompt."""
+    tokens: list[int]
+    logprobs: list[Logprob]
+    cum_logprob: float
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]     # best first (length-penalised score)
 
 
 @dataclass
@@ -116,6 +133,20 @@ class LLM:
         self._run(trackers, use_tqdm)
         return [request_output(*trackers[rid]) for rid in order]
 
+    def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams,
+                    lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search: per prompt, `params.beam_width` finished beams, best first. The beams
+        run in the engine as one group each, sharing their blocks (scheduler/beam_search.py)."""
+        outs = self.generate(prompts, params.to_sampling_params(), use_tqdm, lora_request)
+        return [BeamSearchOutput([BeamSearchSequence(o.prompt_token_ids + c.token_ids, c.logprobs or [],
+                                                     c.cumulative_logprob, self._prompt_text(o) + c.text,
+                                                     c.finish_reason, c.stop_reason) for c in o.outputs])
+                for o in outs]
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              chat_template: str | None = None) -> list[RequestOutput]:
@@ -158,7 +189,7 @@ class LLM:
 def request_output(tr: RequestTracker, prompt: str | None) -> RequestOutput:
     """A request's output so far, as vLLM's RequestOutput (the offline and the asyncio API share it)."""
     outs = [CompletionOutput(c.index, c.text, list(c.token_ids), list(c.logprobs) if tr.params.logprobs is not None else None,
-                             c.finish_reason, c.stop_reason) for c in tr.choices]
+                             c.finish_reason, c.stop_reason, c.cumulative_logprob) for c in tr.choices]
     return RequestOutput(tr.request_id, prompt, tr.prompt_token_ids, outs,
                          list(tr.prompt_logprobs) if tr.params.prompt_logprobs is not None else None,
                          tr.num_cached_tokens)

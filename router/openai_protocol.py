@@ -240,11 +240,13 @@ def _sampling_params(body: dict, model: ModelInfo, max_tokens: int | None, logpr
         if body.get("stop_token_ids") is not None else None,
         include_stop_str_in_output=bool_field(body, "include_stop_str_in_output"),
         skip_special_tokens=bool_field(body, "skip_special_tokens"), ignore_eos=bool_field(body, "ignore_eos"),
-        min_tokens=_int(body, "min_tokens"),
+        min_tokens=_int(body, "min_tokens"), use_beam_search=bool_field(body, "use_beam_search"),
+        length_penalty=_float(body, "length_penalty"), early_stopping=_early_stopping(body),
     )
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     for k, v in model.sampling_defaults.items():       # where the request is silent, as vLLM applies them
-        if k != "max_tokens" and k not in kwargs:
+        # (beam search ranks by the model's own distribution: no sampling default applies to it)
+        if k != "max_tokens" and k not in kwargs and not kwargs.get("use_beam_search"):
             kwargs[k] = -1 if k == "top_k" and (v == 0 or v >= model.vocab_size) else v
     try:
         structured = structured_output.from_request(body)
@@ -261,6 +263,13 @@ def _sampling_params(body: dict, model: ModelInfo, max_tokens: int | None, logpr
                               **kwargs)
     except ParamError as e:
         raise bad(str(e), e.param) from None
+
+
+def _early_stopping(body: dict) -> bool | str | None:
+    v = body.get("early_stopping")
+    if v is None or v == "never" or isinstance(v, bool):
+        return v
+    raise bad(f"'early_stopping' must be true, false or \"never\", got {v!r}", "early_stopping")
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:

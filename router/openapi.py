@@ -45,6 +45,9 @@ _SAMPLING: dict[str, Any] = {
     "stop": _STOP, "stop_token_ids": _IDS,
     "include_stop_str_in_output": _BOOL, "skip_special_tokens": _BOOL, "ignore_eos": _BOOL,
     "min_tokens": {"type": "integer", "minimum": 0}, "stream": _BOOL,
+    # beam search (vLLM's fields): n is the beam width
+    "use_beam_search": _BOOL, "length_penalty": {"type": "number", "minimum": -10, "maximum": 10},
+    "early_stopping": {"anyOf": [_BOOL, {"const": "never"}]},
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}}, "user": _STR,
     # structured output (common/structured_output.py): at most one of these per request
     "response_format": {"anyOf": [

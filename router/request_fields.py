@@ -2,8 +2,8 @@
 
 The fields a route reads are its request schema's properties (router/openapi.py, the document served
 at /openapi.json), so the two cannot drift apart. Fields of the OpenAI and vLLM APIs that we do not
-implement yet are a 400 when they would change the answer (tools, beam search): a client asking for a tool
-call must not get plain text as if it had been honoured. Anything else is ignored, named in one warning
+implement are a 400 when they would change the answer (the deprecated function-calling fields, best_of): a
+client asking for one must not get an answer as if it had been honoured. Anything else is ignored, named in one warning
 line per request (README, "Request fields").
 """
 from __future__ import annotations
@@ -21,7 +21,6 @@ _REFUSED: dict[str, tuple[Callable[[Any, dict], bool], str]] = {
     "functions": (lambda v, body: bool(v), "the deprecated 'functions' are not supported; use 'tools'"),
     "function_call": (lambda v, body: v not in (None, "none"), "the deprecated 'function_call' is not supported; "
                                                               "use 'tool_choice'"),
-    "use_beam_search": (lambda v, body: bool(v), "beam search is not supported yet"),
     "best_of": (lambda v, body: v is not None and v != body.get("n", 1),
                 "'best_of' is not supported (as in vLLM's V1 engine); use n"),
 }

@@ -32,6 +32,8 @@ def validate_request(er: EngineRequest, c: SchedulerConfig, num_waiting: int = 0
         raise RequestRejected(f"n ({sp.n}) exceeds max_num_seqs ({c.max_num_seqs}), the most sequences that "
                               f"can run at once", 400, "n")
     max_tokens = _check_length(n_prompt, sp.max_tokens, c)
+    if sp.use_beam_search:
+        _check_beam_search(sp.n, n_prompt + max_tokens, c)
     if num_waiting >= c.max_waiting_requests or waiting_tokens + n_prompt > c.max_waiting_tokens:
         raise RequestRejected("the server is overloaded: the waiting queue is full", 429)
     return max_tokens
@@ -53,6 +55,17 @@ def _check_length(n_prompt: int, asked: int | None, c: SchedulerConfig) -> int:
                               f"({c.num_blocks * c.block_size // len(c.kv_group_windows)} tokens per layer)", 400,
                               "max_tokens")
     return max_tokens
+
+
+def _check_beam_search(width: int, length: int, c: SchedulerConfig) -> None:
+    """Beams share blocks while they agree, but in the worst case each holds its own: all of them must fit
+    at once, or a search could wait forever for room that its own parked beams hold."""
+    if c.speculative:
+        raise RequestRejected("beam search is not supported with speculative decoding", 400, "use_beam_search")
+    need = width * max_blocks_held(c.kv_group_windows, length, c.block_size, c.max_num_batched_tokens)
+    if need > c.num_blocks:
+        raise RequestRejected(f"beam search with {width} beams of up to {length} tokens may need {need} KV blocks but "
+                              f"the cache holds only {c.num_blocks}: use fewer beams or a smaller max_tokens", 400, "n")
 
 
 def _check_token_ids(er: EngineRequest, vocab_size: int | None) -> None:

@@ -13,6 +13,8 @@ from collections import deque
 from common.protocol import (CachedSequenceData, EngineOutput, EngineRequest, ModelRunnerOutput,
                              NewSequenceData, SchedulerOutput)
 from scheduler.admission import RequestRejected, validate_request
+from scheduler.beam_scheduling import BeamScheduling
+from scheduler.beam_search import BeamGroup
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.lora_registry import LoRAAdapter
@@ -22,7 +24,7 @@ from scheduler.sequence_group import SequenceGroup
 from scheduler.stats import SchedulerStats
 
 
-class Scheduler:
+class Scheduler(BeamScheduling):
     def __init__(self, config: SchedulerConfig, eos_token_ids: list[int] | None = None):
         self.config = config
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
@@ -32,12 +34,13 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.seqs: dict[str, Sequence] = {}                 # seq_id -> live sequence
-        self.groups: dict[str, SequenceGroup] = {}          # request_id -> its choices
+        self.groups: dict[str, SequenceGroup | BeamGroup] = {}   # request_id -> its choices (or beams)
         self.stats = SchedulerStats()
         self._to_drop: list[str] = []                       # worker state to free at the next step
         self.lora_slots = LoRASlots(config.max_loras)
         self._step_loras: list[LoRAAdapter] = []            # adapters of the step being scheduled
         self._step_ids = itertools.count()
+        self._beam_ids = itertools.count(1)
 
     # ---- admission -----------------------------------------------------------------------------
     def add_request(self, er: EngineRequest, lora: LoRAAdapter | None = None) -> None:
@@ -58,7 +61,8 @@ class Scheduler:
                        eos_token_ids=self.eos_token_ids, client_id=er.client_id, seed=sp.seed,
                        arrival_time=er.arrival_time or time.monotonic(), lora=lora)
         self.seqs[seq.seq_id] = seq
-        self.groups[er.request_id] = SequenceGroup.create(seq, sp.n)
+        self.groups[er.request_id] = (BeamGroup.create(seq, self.eos_token_ids) if sp.use_beam_search
+                                      else SequenceGroup.create(seq, sp.n))
         self.waiting.append(seq)
 
     def abort_requests(self, request_ids: list[str], indexes: list[int] | None = None) -> list[EngineOutput]:
@@ -68,6 +72,10 @@ class Scheduler:
         for k, rid in enumerate(request_ids):
             group = self.groups.get(rid)
             if group is None:
+                continue
+            if isinstance(group, BeamGroup):     # a beam is no choice of its own: any index ends them all
+                self._end_beams(group)
+                outs += [EngineOutput(rid, i, [], finish_reason="abort") for i in range(group.width)]
                 continue
             dropped, live = group.abort(indexes[k] if indexes else -1)
             for seq in live:
@@ -101,7 +109,7 @@ class Scheduler:
             if self._crosses_long_rope(seq):
                 seq.num_computed_tokens = 0          # its keys again, with the long factors (see below)
             n = min(seq.num_tokens_to_compute, budget)
-            if n <= 0 or self._waits_for_drafts(seq):   # its last token (or the drafts after it) in flight
+            if n <= 0 or self._waits_for_sample(seq):   # its last token (or the drafts after it) in flight
                 i += 1
                 continue
             drafts = self._take_drafts(seq, budget) if n == 1 else []
@@ -126,6 +134,8 @@ class Scheduler:
             budget = self._swap_in(out, budget, lora_keys)
         if not preempted and not self.swapped:
             self._admit(out, budget, lora_keys)
+        if not (out.new_seqs or out.cached_seqs) and self.waiting and not any(s.num_pending for s in self.running):
+            self._unpark(self.groups[self.waiting[0].request_id], out)
         if self._step_loras:
             out.lora_loads = self.lora_slots.place(self._step_loras)
         if out.new_seqs or out.cached_seqs:
@@ -198,11 +208,12 @@ class Scheduler:
             return 1
         return self.groups[seq.request_id].num_seqs_brought(seq)
 
-    def _waits_for_drafts(self, seq: Sequence) -> bool:
-        """With speculation, a sequence whose sample is still in flight waits for it, and for the drafts
-        proposed after it, rather than decode one plain token ahead: pipelining would otherwise always
-        schedule it before its drafts arrive."""
-        return self.config.speculative and seq.num_pending > 0
+    def _waits_for_sample(self, seq: Sequence) -> bool:
+        """A sequence whose sample is still in flight waits for it, rather than run one token ahead on the
+        worker's copy, where what comes next is decided here: the drafts proposed after it (speculation;
+        pipelining would otherwise always schedule it before its drafts arrive) or the beams chosen from
+        its candidates (beam search)."""
+        return seq.num_pending > 0 and (self.config.speculative or seq.sampling_params.use_beam_search)
 
     def _lookahead(self, seq: Sequence, n: int) -> int:
         """Extra KV slots for a step that samples: a draft model writes its drafts' KV past the step's
@@ -258,6 +269,9 @@ class Scheduler:
         else:
             start = min(first_changed, seq.worker_num_blocks)
             out.cached_seqs.append(CachedSequenceData(seq.seq_id, start, table[start:], seq.num_computed_tokens, n))
+            if seq.replaced_last:
+                out.replaced_token_ids[seq.seq_id] = seq.output_token_ids[-1]
+        seq.replaced_last = False
         seq.worker_num_blocks = len(table)
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
@@ -278,7 +292,9 @@ class Scheduler:
             out.finished_seq_ids.append(seq.seq_id)
         seq.on_worker = False
         seq.worker_num_blocks = 0
-        if self.kv.num_host_blocks and self.kv.can_swap_out(seq):
+        # beams are recomputed: a beam swapped out while its sample is in flight would come back with
+        # nothing to compute, its candidates dropped (see _beam_sampled)
+        if self.kv.num_host_blocks and self.kv.can_swap_out(seq) and not seq.sampling_params.use_beam_search:
             out.blocks_to_swap_out.extend(self.kv.swap_out(seq))
             seq.status = Status.SWAPPED
             self.swapped.append(seq)
@@ -300,6 +316,9 @@ class Scheduler:
             if seq is None or seq.is_finished or seq.num_pending == 0:
                 continue  # finished or aborted while the step ran
             seq.num_pending -= 1    # a sequence preempted meanwhile keeps its token: it was computed correctly
+            if seq.sampling_params.use_beam_search:
+                outs += self._beam_sampled(seq, result, k)
+                continue
             sampled = result.sampled_token_ids[k]
             self._settle_drafts(seq, len(sampled))
             new, stopped = self._append(seq, sampled, max_len)
@@ -374,6 +393,13 @@ class Scheduler:
                 self.waiting.appendleft(child)
 
     def _finish(self, seq: Sequence) -> None:
+        self._release(seq)
+        reason = seq.finish_reason or "abort"
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        self._forget_if_done(self.groups[seq.request_id])
+
+    def _release(self, seq: Sequence) -> None:
+        """Take a sequence out of its queue and free what it holds here and on the worker."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
@@ -385,10 +411,7 @@ class Scheduler:
         if seq.on_worker:
             self._to_drop.append(seq.seq_id)
             seq.on_worker = False
-        reason = seq.finish_reason or "abort"
-        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         del self.seqs[seq.seq_id]
-        self._forget_if_done(self.groups[seq.request_id])
 
     def _forget_if_done(self, group: SequenceGroup) -> None:
         if group.is_finished:

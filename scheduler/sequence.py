@@ -18,6 +18,7 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
+    PARKED = "parked"        # a beam that sampled, waiting for its siblings' samples (beam_search.py)
     FINISHED = "finished"
 
 
@@ -57,6 +58,7 @@ class Sequence:
     # prompt token's, from which the choices not yet forked start (None: the token being computed)
     kv_keep_from: int | None = None
     rope_long: bool = False              # LongRoPE: its cached keys were computed with the long factors
+    replaced_last: bool = False          # beam search replaced its last token after the worker sampled it
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -1,5 +1,7 @@
 """Issue #12 over HTTP, through the openai SDK: response_format json_schema answers (streamed and not)
-that validate, vLLM's guided_* fields on both routes, and a malformed schema as a 400 naming the problem."""
+that validate, vLLM's guided_* fields on both routes, and a malformed schema as a 400 naming the problem;
+beam search (use_beam_search with n) equal to the offline LLM.beam_search on the same fp32 model. One
+server for all of them (CI time)."""
 from __future__ import annotations
 
 import json
@@ -63,3 +65,28 @@ def test_a_malformed_schema_is_a_400_with_the_compilers_message(sdk) -> None:
         sdk.completions.create(model=sdk.model_id, prompt="x", max_tokens=5,
                                extra_body={"guided_regex": "(", "guided_choice": ["a"]})
     assert "only one structured output constraint" in e.value.body["message"]
+
+
+def test_beam_search_over_http_equals_the_offline_search(sdk) -> None:
+    """n beams, best first, streamed and not, equal to LLM.beam_search on the same fp32 engine; a
+    field that would change the ranking is a 400 naming it."""
+    from pagedserve import LLM, BeamSearchParams
+    prompt = "The capital of France is"
+    body = {"use_beam_search": True, "length_penalty": 0.8}
+    r = sdk.completions.create(model=sdk.model_id, prompt=prompt, n=3, max_tokens=10, extra_body=body)
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    streamed = ["", "", ""]
+    for chunk in sdk.completions.create(model=sdk.model_id, prompt=prompt, n=3, max_tokens=10, stream=True,
+                                        extra_body=body):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    llm = LLM(dtype="float32", kv_cache_memory=0.1)
+    offline = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=10, length_penalty=0.8))[0]
+    llm.shutdown()
+    assert texts == streamed == [s.text[len(prompt):] for s in offline.sequences]
+    assert len(set(texts)) == 3
+    chat = sdk.chat.completions.create(model=sdk.model_id, messages=MESSAGES, n=2, max_tokens=8, extra_body=body)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content != chat.choices[1].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.completions.create(model=sdk.model_id, prompt=prompt, n=2, max_tokens=4, top_p=0.5, extra_body=body)
+    assert e.value.body["param"] == "top_p" and "beam search" in e.value.body["message"]
