@@ -127,6 +127,9 @@ class ModelRunnerOutput:
     # sampled_token_ids[i] holds 1 token, or 1 + the accepted drafts of a step that verified some.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)   # seq_id -> drafts for its next step
     lora_errors: dict[int, str] = field(default_factory=dict)   # adapter key -> why this worker could not load it
+    # sequences due to sample whose grammar was still compiling: they sampled nothing, and their last token
+    # runs again in a later step (the batch did not wait for the compiler)
+    deferred_seq_ids: list[str] = field(default_factory=list)
     error: str | None = None
 
 

@@ -255,7 +255,8 @@ class ModelRunner:
         if not scheduled:
             return out
         inputs = build_step_inputs(self.seqs, scheduled, self.block_size, self.device, self.kv_layout.num_groups)
-        self._start_grammar_masks(inputs)
+        out.deferred_seq_ids = self._grammars_compiling(inputs.sample_seq_ids)
+        self._start_grammar_masks(inputs, out.deferred_seq_ids)
         prepared = [self.backend.prepare(m) for m in inputs.attn_groups]
         attn = [prepared[g] for g in self.kv_layout.layer_group]       # each layer's group's metadata
         hidden = self._forward(inputs, attn)
@@ -264,7 +265,7 @@ class ModelRunner:
         for seq_id, lp_rows in inputs.prompt_logprobs.items():
             out.prompt_logprobs[seq_id] = self._prompt_logprobs(hidden, seq_id, lp_rows)
         if self.proposer is not None:
-            self._speculate(scheduled, inputs.sample_seq_ids, out)
+            self._speculate(scheduled, out.seq_ids, out)
         return out
 
     def _forward(self, inputs: StepInputs, attn) -> torch.Tensor:
@@ -291,6 +292,9 @@ class ModelRunner:
         lps = logprob_records(samples, ids_list, batch.max_logprobs)
         row = 0
         for st, k, keep in zip(seqs, inputs.num_samples, keeps):
+            if st.seq_id in out.deferred_seq_ids:
+                row += k
+                continue
             st.token_ids.extend(ids_list[row:row + keep])
             if st.grammar is not None:
                 self._structured.accept(st, ids_list[row:row + keep])
@@ -301,14 +305,21 @@ class ModelRunner:
                                 if lps and want is not None else None)
             row += k
 
-    def _start_grammar_masks(self, inputs: StepInputs) -> None:
+    def _grammars_compiling(self, sampling: list[str]) -> list[str]:
+        """Sequences that skip this step's sample because their grammar still compiles. Not under tensor
+        parallelism: every rank must sample the same sequences, and each compiles on its own clock."""
+        if self._structured is None or tp().size > 1:
+            return []
+        return [s for s in sampling if self._structured.still_compiling(self.seqs[s])]
+
+    def _start_grammar_masks(self, inputs: StepInputs, deferred: list[str]) -> None:
         """Constrained rows' bitmask, filled in the manager's thread while the forward pass runs."""
         if self._structured is None:
             return
         items, row = [], 0
         for seq_id, k in zip(inputs.sample_seq_ids, inputs.num_samples):
             st = self.seqs[seq_id]
-            if st.grammar is not None:
+            if st.grammar is not None and seq_id not in deferred:
                 items.append((st, row, st.spec_token_ids[:k - 1]))
             row += k
         if items:

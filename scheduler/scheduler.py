@@ -211,9 +211,12 @@ class Scheduler(BeamScheduling):
     def _waits_for_sample(self, seq: Sequence) -> bool:
         """A sequence whose sample is still in flight waits for it, rather than run one token ahead on the
         worker's copy, where what comes next is decided here: the drafts proposed after it (speculation;
-        pipelining would otherwise always schedule it before its drafts arrive) or the beams chosen from
-        its candidates (beam search)."""
-        return seq.num_pending > 0 and (self.config.speculative or seq.sampling_params.use_beam_search)
+        pipelining would otherwise always schedule it before its drafts arrive), the beams chosen from its
+        candidates (beam search), or whether a constrained sequence's first sample happened at all (the
+        worker skips it while the grammar still compiles (gpu_worker/structured_output/manager.py)."""
+        sp = seq.sampling_params
+        return seq.num_pending > 0 and (self.config.speculative or sp.use_beam_search or (
+            sp.structured_outputs is not None and not seq.output_token_ids))
 
     def _lookahead(self, seq: Sequence, n: int) -> int:
         """Extra KV slots for a step that samples: a draft model writes its drafts' KV past the step's
@@ -310,6 +313,7 @@ class Scheduler(BeamScheduling):
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineOutput]:
         """Append sampled tokens, apply stop conditions, fork n > 1 siblings, and report per sequence."""
         outs = [eo for key, error in result.lora_errors.items() for eo in self.fail_adapter(key, error)]
+        self._defer_samples(result.deferred_seq_ids)
         max_len = self.config.max_model_len
         for k, seq_id in enumerate(result.seq_ids):
             seq = self.seqs.get(seq_id)
@@ -342,6 +346,18 @@ class Scheduler(BeamScheduling):
                 outs.append(EngineOutput(seq.request_id, seq.index, [], prompt_logprobs=plp,
                                          num_prompt_tokens=seq.num_prompt_tokens))
         return outs
+
+    def _defer_samples(self, seq_ids: list[str]) -> None:
+        """Sequences whose grammar was still compiling sampled nothing: their last token runs again (the
+        same KV into the same slot) in a later step, which samples then."""
+        for seq_id in seq_ids:
+            seq = self.seqs.get(seq_id)
+            if seq is None or seq.is_finished or seq.num_pending == 0:
+                continue
+            seq.num_pending -= 1
+            if seq.num_computed_tokens:          # 0: preempted by recompute meanwhile
+                seq.num_computed_tokens -= 1
+                self.stats.prompt_tokens -= 1    # counted again when it runs again
 
     def fail_adapter(self, key: int, error: str) -> list[EngineOutput]:
         """A worker could not load adapter `key`: end every request under it with `error` (the rest of the

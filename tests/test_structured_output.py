@@ -245,3 +245,47 @@ def test_the_compiled_grammar_cache_is_bounded_and_reuses_by_text(backend, monke
     seq("a+")                                              # used again: now the most recent
     seq("c+")                                              # evicts b+, the least recently used
     assert [k[1] for k in mgr._compiled] == ["a+", "c+"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_request_whose_grammar_still_compiles_waits_alone(llm, monkeypatch) -> None:
+    """Its compile held on a gate: the plain request beside it decodes to the end while the constrained
+    one samples nothing (its last prompt token runs again each step); released, it follows its schema."""
+    import threading
+
+    from common.protocol import EngineRequest
+    from gpu_worker.structured_output.xgrammar_backend import XGrammarBackend
+    gate = threading.Event()
+    real = XGrammarBackend.compile
+    schema = {"type": "object", "properties": {"gated": {"type": "integer"}}, "required": ["gated"]}
+
+    def gated(self, kind: str, text: str, *args):
+        if "gated" in text:
+            gate.wait(timeout=120)       # the old behaviour would stall every step this long
+        return real(self, kind, text, *args)
+    monkeypatch.setattr(XGrammarBackend, "compile", gated)
+    tok = llm.tokenizer
+    ask = tok.apply_chat_template([{"role": "user", "content": "A JSON object with an integer, please."}],
+                                  tokenize=False, add_generation_prompt=True)
+    engine, got = llm.engine, {"c": [], "p": []}
+    engine.add_request(EngineRequest("c", tok.encode(ask), SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))))
+    engine.add_request(EngineRequest("p", tok.encode("Once upon a time"), SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True)))
+    steps = 0
+    try:
+        while len(got["p"]) < 8:
+            steps += 1
+            for eo in engine.step():
+                got[eo.request_id] += eo.new_token_ids
+        assert got["c"] == [] and not gate.is_set() and steps >= 8
+        assert engine.scheduler.seqs["c"].num_computed_tokens < engine.scheduler.seqs["c"].num_prompt_tokens
+    finally:
+        gate.set()
+    while engine.has_unfinished():
+        for eo in engine.step():
+            got[eo.request_id] += eo.new_token_ids
+    text = tok.decode(got["c"], skip_special_tokens=True)
+    assert _valid(text, schema), text
+    engine.scheduler.kv.check_all_free()

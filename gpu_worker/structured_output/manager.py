@@ -60,6 +60,14 @@ class StructuredOutputManager:
             del self._compiled[next(iter(self._compiled))]
         st.grammar = GrammarState(compiled, st.token_ids[st.num_prompt_tokens:])
 
+    @staticmethod
+    def still_compiling(st: Any) -> bool:
+        """A sequence about to sample its first token whose grammar is not compiled yet: it skips this
+        step's sample instead of holding up the whole batch (the scheduler waits for every constrained
+        sequence's first sample, so nothing was scheduled past it)."""
+        g = st.grammar
+        return g is not None and g.matcher is None and not g.compiled.done() and st.num_output_tokens == 0
+
     def _matcher(self, st: Any) -> GrammarMatcher:
         g = st.grammar
         if g.matcher is None:
@@ -74,8 +82,11 @@ class StructuredOutputManager:
         self._pending = self._mask_pool.submit(self._fill, rows, num_rows)
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Mask this step's logits (call after start_masks); disallowed tokens become -inf."""
+        """Mask this step's logits (after start_masks; none started: every constrained row of the step skips
+        its sample); disallowed tokens become -inf."""
         pending, self._pending = self._pending, None
+        if pending is None:
+            return
         bitmask, rows = pending.result()
         if rows:
             self.backend.apply_bitmask(logits, bitmask, rows)
