@@ -149,14 +149,18 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """`chat_template`: a file or the Jinja text, instead of the tokenizer's (vLLM's argument)."""
+             chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             lora_request: LoRARequest | None = None) -> list[RequestOutput]:
+        """vLLM's arguments: `chat_template` (a file or the Jinja text, instead of the tokenizer's), `tools`
+        (OpenAI's tool objects, rendered by the template; the calls are not parsed offline, as in vLLM)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         template = load_chat_template(chat_template) if chat_template is not None else None
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True,
-                                                      chat_template=template) for c in convs]
+        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message,
+                                                      chat_template=template, tools=tools) for c in convs]
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        outs = self.generate(ids, sampling_params, use_tqdm)
+        outs = self.generate(ids, sampling_params, use_tqdm, lora_request)
         for o, p in zip(outs, prompts):
             o.prompt = p
         return outs

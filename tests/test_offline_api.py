@@ -360,3 +360,19 @@ def test_colliding_block_digests_never_serve_another_prompts_kv(tiny: Tiny, monk
     assert again.num_cached_tokens == 32
     assert first.outputs[0].token_ids == want_a == again.outputs[0].token_ids
     assert second.outputs[0].token_ids == want_b
+
+
+def test_chat_renders_tools_and_continues_a_final_message(tiny: Tiny) -> None:
+    """vLLM's LLM.chat(tools=..., continue_final_message=...): the template sees the tools; the last
+    assistant turn is continued rather than closed."""
+    template = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if not loop.last %}</>{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}</><assistant>{% endif %}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    out = tiny.llm.chat([{"role": "user", "content": "Hi"}], sp, use_tqdm=False, chat_template=template, tools=tools)
+    assert out[0].prompt == "[tool get_weather]<user>Hi</><assistant>"
+    out = tiny.llm.chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}], sp,
+                        use_tqdm=False, chat_template=template, add_generation_prompt=False,
+                        continue_final_message=True)
+    assert out[0].prompt.endswith("<assistant>Hel") and len(out[0].outputs[0].token_ids) == 2
