@@ -59,7 +59,7 @@ class EngineConfig:
     quantization: str = field(default="auto", metadata={"aliases": ("-q",)})   # QUANTIZATION_METHODS
     kv_cache_dtype: str = "auto"          # one of KV_CACHE_DTYPES
     calculate_kv_scales: bool = False     # fp8 KV: per-layer k/v scales from the first forward pass (vLLM's flag)
-    kv_cache_rotation: bool = True        # fp8 KV: heads' q, k, v rotated by a Hadamard matrix (less rounding error)
+    kv_cache_rotation: bool = True        # fp8 KV: q, k, v rotated by a Hadamard matrix, keys centred (less rounding error)
     load_format: str = "auto"             # one of LOAD_FORMATS
     device: str = "auto"
     attention_backend: str = "auto"

@@ -25,7 +25,7 @@ from gpu_worker import cpu_precision
 from gpu_worker.attention import (FP8_DTYPES, allocate_kv_cache, get_backend, index_copy_rows, kv_block_bytes,
                                   resolve_kv_cache_dtype)
 from gpu_worker.kernels import native
-from gpu_worker.layers.kv_rotation import kv_rotation
+from gpu_worker.layers.kv_rotation import CALIBRATION_TEXT, kv_rotation
 from gpu_worker.lora import LoRAManager
 from gpu_worker.parallel import tp
 from gpu_worker.quantization.packed import GEMM_MAX_ROWS, PackedWeight
@@ -119,6 +119,7 @@ class ModelRunner:
         """Size and allocate the KV cache (after a profiling pass on GPU) and say what was allocated."""
         self.eos_ids |= set(eos_token_ids)
         num_blocks, num_host = self.profile_num_blocks()
+        self._centre_fp8_keys()
         self.init_kv_cache(num_blocks, num_host)
         if self.config.calculate_kv_scales:
             self._calibrate_kv_scales_on_first_step()
@@ -211,23 +212,38 @@ class ModelRunner:
         return num, host
 
     def _dummy_forward(self) -> None:
-        """One full-budget step on a throwaway cache, so profiling sees the peak activation memory: as
-        sequences of at most max_model_len tokens (positions past it are outside the rope tables)."""
+        """One full-budget step, so profiling sees the peak activation memory: as sequences of at most
+        max_model_len tokens (positions past it are outside the rope tables)."""
         n = self.config.max_num_batched_tokens
-        saved = self.kv_caches, self.layer_caches
-        lens = [min(self.max_model_len, n - start) for start in range(0, n, self.max_model_len)]
-        per_seq = [-(-m // self.block_size) for m in lens]
+        self._throwaway_step([[0] * min(self.max_model_len, n - start) for start in range(0, n, self.max_model_len)])
+
+    def _centre_fp8_keys(self) -> None:
+        """Each rotated layer's key mean from one pass over a fixed text (layers/kv_rotation.py), before the
+        cache holds anything. Every rank runs it (its collectives), each for its own heads."""
+        layers = [m for m in self.model.modules() if getattr(m, "kv_rotation", None) is not None]
+        if not layers:
+            return
+        for m in layers:
+            m.k_shift_calibration = True
+        ids = self.source.load_tokenizer().encode(CALIBRATION_TEXT)[:self.max_model_len]
+        self._throwaway_step([ids])
+        log.info("fp8 KV cache: keys centred in %d layers", sum(m.k_shift is not None for m in layers))
+
+    def _throwaway_step(self, prompts: list[list[int]]) -> None:
+        """Prefill `prompts` in one step on a cache of their own, then forget them and that cache."""
+        saved = self.kv_caches, self.layer_caches, self.host_caches
+        per_seq = [-(-len(p) // self.block_size) for p in prompts]
         self.init_kv_cache(sum(per_seq), 0)
         seqs, first = [], 0
-        for i, (m, nb) in enumerate(zip(lens, per_seq)):
+        for i, (p, nb) in enumerate(zip(prompts, per_seq)):
             table = [b for b in range(first, first + nb) for _ in range(self.kv_layout.num_groups)]
-            seqs.append(NewSequenceData(f"__profile{i}__", [0] * m, m, SamplingParams(max_tokens=1, temperature=0),
-                                        table, 0, m))
+            seqs.append(NewSequenceData(f"__throwaway{i}__", p, len(p), SamplingParams(max_tokens=1, temperature=0),
+                                        table, 0, len(p)))
             first += nb
         self.execute(SchedulerOutput(step_id=-1, new_seqs=seqs))
         for seq in seqs:
             self.seqs.pop(seq.seq_id)
-        self.kv_caches, self.layer_caches = saved
+        self.kv_caches, self.layer_caches, self.host_caches = saved
 
     def init_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
         self.kv_caches, self.host_caches = allocate_kv_cache(self.kv_config, num_blocks, num_host_blocks,

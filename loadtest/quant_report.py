@@ -1,7 +1,7 @@
 """The quantization quality and memory table: one row per method on the default model, against the fp32
 reference (the GGUF expanded at load, `--quantization none`), measured in one run.
 
-    python -m loadtest.quant_report [--requests 96] [--speed] [--json FILE]
+    python -m loadtest.quant_report [--requests 96] [--speed] [--only "fp8 KV" ...] [--json FILE]
 
 Columns:
   * weight MiB: parameters and packed weights resident on the worker (what it logs at start-up);
@@ -68,17 +68,20 @@ def write_default_as_hf(folder: Path) -> Path:
     return folder
 
 
-def checkpoints(work: Path) -> dict[str, str | None]:
+def checkpoints(work: Path, methods: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, str | None]:
+    if {ckpt for ckpt, _ in methods.values()} == {"gguf"}:
+        return {"gguf": None}
     hf = write_default_as_hf(work / "fp32")
     write_quantized(hf, work / "awq", work / "awq-ref", method="awq", group=GROUP)
     write_quantized(hf, work / "gptq", work / "gptq-ref", method="gptq", group=GROUP, sym=True)
     return {"gguf": None, "awq": str(work / "awq"), "gptq": str(work / "gptq")}
 
 
-def quality(paths: dict[str, str | None], n_requests: int) -> dict[str, dict[str, float]]:
+def quality(paths: dict[str, str | None], n_requests: int,
+            methods: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, dict[str, float]]:
     """Top-1 agreement and mean KL against the reference over every prompt position."""
     engines = {name: LLM(paths[ckpt], dtype="float32", kv_cache_memory=0.25, swap_space=0, max_num_batched_tokens=1024,
-                         enable_prefix_caching=False, **kw) for name, (ckpt, kw) in METHODS.items()}
+                         enable_prefix_caching=False, **kw) for name, (ckpt, kw) in methods.items()}
     rows = {name: {"weight_mib": e.engine.weight_bytes / 2**20, "kv_tokens_per_gib": kv_tokens_per_gib(e)}
             for name, e in engines.items()}
     prompts = [(list(r.prompt_token_ids), 0) for r in load_workload()[:n_requests]]
@@ -94,10 +97,11 @@ def kv_tokens_per_gib(llm: LLM) -> float:
     return tokens / (nbytes / 2**30)
 
 
-def speed(paths: dict[str, str | None], threads: int | None) -> dict[str, dict[str, float]]:
+def speed(paths: dict[str, str | None], threads: int | None,
+          methods: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, dict[str, float]]:
     from loadtest.quant_bench import measure
     out = {}
-    for name, (ckpt, kw) in METHODS.items():
+    for name, (ckpt, kw) in methods.items():
         kw = dict(kw)
         row = measure(kw.pop("quantization"), threads, paths[ckpt], **kw)
         out[name] = {"c1_tok_s": row["c1_tok_s"], "c1_decode_tok_s": row["c1_decode_tok_s"], "c64_tok_s": row["c64_tok_s"]}
@@ -121,13 +125,17 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=96, help="workload requests whose prompts are teacher-forced")
     p.add_argument("--speed", action="store_true", help="also measure c1 and c64 tok/s per method")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                   help="only the methods whose name contains one of these (the reference always runs first)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
+    ref = next(iter(METHODS))
+    methods = {n: m for n, m in METHODS.items() if n == ref or not args.only or any(t in n for t in args.only)}
     with tempfile.TemporaryDirectory() as tmp:
-        paths = checkpoints(Path(tmp))
-        rows = quality(paths, args.requests)
+        paths = checkpoints(Path(tmp), methods)
+        rows = quality(paths, args.requests, methods)
         if args.speed:
-            for name, r in speed(paths, args.threads).items():
+            for name, r in speed(paths, args.threads, methods).items():
                 rows[name].update(r)
     print(f"positions: {rows[next(iter(rows))]['positions']}")
     print(table(rows))

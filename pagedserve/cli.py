@@ -46,8 +46,8 @@ _ENGINE_HELP = {
     "calculate_kv_scales": "with an fp8 KV cache: each layer's k/v scales from the first forward pass's K and V "
                            "(largest magnitude at the format's largest value), not 1.0 or the checkpoint's",
     "kv_cache_rotation": "with an fp8 KV cache: store every head's K and V rotated by an orthogonal (Hadamard) "
-                         "matrix, the query rotated alike and the output back: the same attention, less fp8 "
-                         "rounding error (off: --no-kv-cache-rotation)",
+                         "matrix, the query rotated alike and the output back, and every key less its layer's "
+                         "mean: the same attention, less fp8 rounding error (off: --no-kv-cache-rotation)",
     "kv_cache_dtype": "KV cache entries: auto (the model dtype; bfloat16 where --dtype auto runs bf16 matmuls), float32, bfloat16, float16, fp8 (= fp8_e4m3), "
                       "fp8_e5m2",
     "prefix_caching_hash_algo": "prefix-cache block digests: sha256 (sha256_cbor is the same chain here) or blake2b "

@@ -7,7 +7,6 @@ import dataclasses
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -86,14 +85,13 @@ def test_prefix_caching_hash_algo_is_a_real_flag(capsys):
     assert "--prefix-caching-hash-algo" in err and "sha256" in err
 
 
-def test_a_bad_dtype_exits_2_within_5_seconds():
-    """The whole command, as a user runs it: nothing starts, the flag is named."""
-    t0 = time.monotonic()
+def test_a_bad_dtype_exits_2_before_anything_starts():
+    """The whole command, as a user runs it: the flag is named, and no process started or model was read
+    (no start-up log line; a wall-clock bound would only measure the machine's load)."""
     r = subprocess.run([sys.executable, "-m", "pagedserve.cli", "serve", "--dtype", "flaot16"], capture_output=True,
                        text=True, timeout=60)
-    took = time.monotonic() - t0
     assert r.returncode == 2 and "--dtype 'flaot16'" in r.stderr, r.stderr
-    assert took < 5.0, f"took {took:.1f}s"
+    assert not any(line in r.stderr for line in ("model weights", "KV cache:", "Traceback")), r.stderr
 
 
 @pytest.mark.parametrize("argv", [("--enforce-eager",), ("--trust-remote-code",), ("--disable-log-requests",),

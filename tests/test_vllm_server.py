@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import urllib.request
 
 import openai
@@ -85,9 +84,9 @@ def test_unsupported_flags_each_stop_the_launch_naming_themselves(capsys):
             cli.parse_args(cli.build_parser(), ["serve", *flag])
         err = capsys.readouterr().err
         assert e.value.code == 2 and flag[0] in err and "not supported" in err, (flag, err)
-    t0 = time.monotonic()                      # the whole line, as a user runs it
+    # the whole line, as a user runs it: refused before any process starts or any model is read
     r = subprocess.run([sys.executable, "-m", "pagedserve.cli", "serve", *[a for f in UNSUPPORTED for a in f]],
                        capture_output=True, text=True, timeout=60)
     named = [f[0] for f in UNSUPPORTED if f[0] in r.stderr]
     assert r.returncode == 2 and "not supported" in r.stderr and named, r.stderr
-    assert time.monotonic() - t0 < 5.0
+    assert not any(line in r.stderr for line in ("model weights", "KV cache:", "Traceback")), r.stderr

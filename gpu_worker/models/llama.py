@@ -43,6 +43,8 @@ class Attention(nn.Module):
         self.k_scale = self.v_scale = 1.0      # what an fp8 KV cache divides K and V by
         self.kv_calibration_max: float | None = None   # set: take the scales from the next forward pass
         self.kv_rotation: torch.Tensor | None = None   # fp8 caches: layers/kv_rotation.py
+        self.k_shift: torch.Tensor | None = None       # [kv heads, head_dim] subtracted from keys (same module)
+        self.k_shift_calibration = False              # set: take k_shift from the next forward pass
 
     def load(self, param: str, tensor: torch.Tensor, shard: str = "") -> None:
         """The checkpoint's own tensors of this module are the fp8 KV cache scales (`self_attn.k_scale`,
@@ -72,6 +74,11 @@ class Attention(nn.Module):
         q, k = rot.apply(q, k)
         r = self.kv_rotation
         if r is not None:         # the same orthogonal R on q, k and v: the scores and the output are unchanged
+            if self.k_shift_calibration:
+                self.k_shift_calibration = False
+                self.k_shift = None if self.softcap is not None else k.mean(0)
+            if self.k_shift is not None:     # the same vector off every key: each query's scores shift alike
+                k = k - self.k_shift
             q, k, v = q @ r, k @ r, v @ r
         k_cache, v_cache = kv_cache
         if self.kv_calibration_max is not None:
