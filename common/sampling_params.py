@@ -64,6 +64,9 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # set by the scheduler on a beam's own copy: the top logprobs its worker row returns (its candidates),
+    # beyond the API's cap of 20 for `logprobs`
+    beam_candidates: int = 0
 
     def __post_init__(self) -> None:
         self.output_kind = RequestOutputKind(self.output_kind)
@@ -81,6 +84,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """Top logprobs a worker returns per sampled token (None: no logprob records at all)."""
+        if self.logprobs is None and not self.beam_candidates:
+            return None
+        return max(self.logprobs or 0, self.beam_candidates)
 
     def validate(self) -> None:
         def check(ok: bool, msg: str, param: str) -> None:

@@ -316,7 +316,7 @@ class ModelRunner:
                 self._structured.accept(st, ids_list[row:row + keep])
             out.seq_ids.append(st.seq_id)
             out.sampled_token_ids.append(ids_list[row:row + keep])
-            want = st.params.logprobs
+            want = st.params.num_top_logprobs
             out.logprobs.append([r for recs in lps[row:row + keep] for r in self._trim(recs, want)]
                                 if lps and want is not None else None)
             row += k

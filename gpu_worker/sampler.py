@@ -55,7 +55,7 @@ def build_sampling_batch(states: list[SequenceState], vocab: int, eos_ids: set[i
             for t in set(s.params.stop_token_ids) | eos_ids]    # ignore_eos or not, as vLLM and HF's min_new_tokens
     if bans:
         b.ban_rows, b.ban_cols = (torch.tensor(c, device=device) for c in zip(*bans))
-    lp = [p.logprobs for p in ps if p.logprobs is not None]
+    lp = [p.num_top_logprobs for p in ps if p.num_top_logprobs is not None]
     b.max_logprobs = max(lp) if lp else -1
     return b
 

@@ -1,7 +1,7 @@
 """The scheduler's beam-search half: the queues and blocks of beams, where beam_search.py decides.
 
 A mixin of `Scheduler` (scheduler.py), kept in its own module so that each stays one screenful of ideas.
-It uses the scheduler's queues (running, waiting), its sequences and groups, the KV cache manager, the
+It uses the scheduler's queues (running, waiting, swapped, parked), its sequences and groups, the KV cache manager, the
 stats, `_beam_ids` (a counter naming forks) and `_release` (take a sequence out of its queue and free its
 blocks and worker state).
 
@@ -14,27 +14,25 @@ and the finished hypotheses become the request's choices.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from common.protocol import EngineOutput, ModelRunnerOutput, SchedulerOutput
 from scheduler.beam_search import BeamGroup, Continuation
 from scheduler.sequence import Sequence, Status
 
-if TYPE_CHECKING:
-    from scheduler.sequence_group import SequenceGroup
 
 
 class BeamScheduling:
     def _beam_sampled(self, seq: Sequence, result: ModelRunnerOutput, k: int) -> list[EngineOutput]:
         """Park a beam that sampled; once all its siblings have, pick the next beams."""
         outs = []
-        if seq.seq_id in result.prompt_logprobs:
+        if seq.seq_id in result.prompt_logprobs and self._reports_prompt_logprobs(seq):
             outs.append(EngineOutput(seq.request_id, 0, [], prompt_logprobs=result.prompt_logprobs[seq.seq_id],
                                      num_prompt_tokens=seq.num_prompt_tokens))
         if seq.status is not Status.RUNNING:    # preempted while sampling: it recomputes and samples again
             return outs
         self.running.remove(seq)
         seq.status = Status.PARKED
+        self.parked.append(seq)
         group = self.groups[seq.request_id]
         if group.record(seq, result.logprobs[k][0]):
             outs += self._next_beams(group)
@@ -56,6 +54,7 @@ class BeamScheduling:
             group.forget(beam)
             self._release(beam)
         for c in first.values():
+            self.parked.remove(c.beam)
             group.advance(c)
             c.beam.output_token_ids.append(c.token)
             c.beam.replaced_last = True       # the worker appended its own top-1 sample
@@ -95,20 +94,29 @@ class BeamScheduling:
         group.done = True
         self.groups.pop(group.request_id, None)
 
-    def _unpark(self, head: SequenceGroup | BeamGroup, out: SchedulerOutput) -> None:
-        """Nothing could run this step and a sequence waits: parked beams of other requests may be holding
-        the blocks it needs while their own siblings wait behind it. They give them up and queue behind it
-        to compute again (admission made sure that one request's beams alone always fit the cache)."""
-        for group in list(self.groups.values()):
-            if group is head or not isinstance(group, BeamGroup):
-                continue
-            for beam in [b for b in group.beams if b.status is Status.PARKED]:
-                group.candidates.pop(beam.seq_id, None)
-                self.kv.free(beam)
-                if beam.on_worker:
-                    out.finished_seq_ids.append(beam.seq_id)
-                beam.on_worker, beam.worker_num_blocks, beam.num_computed_tokens = False, 0, 0
-                beam.status = Status.WAITING
-                self.waiting.append(beam)
-                self.stats.num_preemptions += 1
-                self.stats.num_recompute_preemptions += 1
+    def _reports_prompt_logprobs(self, seq: Sequence) -> bool:
+        """A request's prompt logprobs come from its first prefill; a beam that computes the prompt again
+        later (preempted, or unparked) reports nothing, or the choices' records would mix."""
+        group = self.groups.get(seq.request_id)
+        return not (isinstance(group, BeamGroup) and group.selected)
+
+    def _unpark_if_stuck(self, out: SchedulerOutput) -> None:
+        """Nothing could run this step while parked beams hold blocks: the sequence that should start next
+        (swapped back in first, else admitted) may need those blocks while their own siblings wait behind
+        it. If it could start but for blocks, the parked beams of other requests give them up and queue
+        behind it to compute again (admission made sure that one request's beams alone fit the cache)."""
+        head = self.swapped[0] if self.swapped else self.waiting[0] if self.waiting else None
+        if head is None or head.num_pending or any(s.num_pending for s in self.running):
+            return          # a sample in flight will change things: nothing is stuck yet
+        keep = self.groups.get(head.request_id)
+        for beam in [b for b in self.parked if self.groups[b.request_id] is not keep]:
+            self.groups[beam.request_id].candidates.pop(beam.seq_id, None)
+            self.parked.remove(beam)
+            self.kv.free(beam)
+            if beam.on_worker:
+                out.finished_seq_ids.append(beam.seq_id)
+            beam.on_worker, beam.worker_num_blocks, beam.num_computed_tokens = False, 0, 0
+            beam.status = Status.WAITING
+            self.waiting.append(beam)
+            self.stats.num_preemptions += 1
+            self.stats.num_recompute_preemptions += 1

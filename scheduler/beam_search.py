@@ -17,7 +17,7 @@ Beams emit nothing while they search; the finished hypotheses, best first, are t
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 from common.protocol import Logprob
@@ -51,11 +51,8 @@ def num_candidates(width: int, num_stop_ids: int) -> int:
 
 
 def worker_params(sp: SamplingParams, k: int) -> SamplingParams:
-    """What the beams' worker rows run with: greedy, with the top-k logprobs that hold the candidates
-    (beyond the API's cap of 20 logprobs, so set on a copy rather than validated)."""
-    wp = copy.copy(sp)
-    wp.temperature, wp.logprobs = 0.0, max(k, sp.logprobs or 0)
-    return wp
+    """What the beams' worker rows run with: greedy, returning the top-k logprobs that hold the candidates."""
+    return dataclasses.replace(sp, temperature=0.0, beam_candidates=k)
 
 
 @dataclass(eq=False)

@@ -14,6 +14,7 @@ from common.protocol import (CachedSequenceData, EngineOutput, EngineRequest, Mo
                              NewSequenceData, SchedulerOutput)
 from scheduler.admission import RequestRejected, validate_request
 from scheduler.beam_scheduling import BeamScheduling
+from scheduler.spec_scheduling import SpecScheduling
 from scheduler.beam_search import BeamGroup
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
@@ -24,7 +25,7 @@ from scheduler.sequence_group import SequenceGroup
 from scheduler.stats import SchedulerStats
 
 
-class Scheduler(BeamScheduling):
+class Scheduler(BeamScheduling, SpecScheduling):
     def __init__(self, config: SchedulerConfig, eos_token_ids: list[int] | None = None):
         self.config = config
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
@@ -32,6 +33,7 @@ class Scheduler(BeamScheduling):
         self.eos_token_ids = frozenset(eos_token_ids or [])
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.parked: list[Sequence] = []      # beams that sampled, waiting for their siblings (beam_scheduling.py)
         self.swapped: deque[Sequence] = deque()
         self.seqs: dict[str, Sequence] = {}                 # seq_id -> live sequence
         self.groups: dict[str, SequenceGroup | BeamGroup] = {}   # request_id -> its choices (or beams)
@@ -60,9 +62,12 @@ class Scheduler(BeamScheduling):
                        prompt_token_ids=list(er.prompt_token_ids), sampling_params=sp, max_tokens=max_tokens,
                        eos_token_ids=self.eos_token_ids, client_id=er.client_id, seed=sp.seed,
                        arrival_time=er.arrival_time or time.monotonic(), lora=lora)
+        group = BeamGroup.create(seq, self.eos_token_ids) if sp.use_beam_search else SequenceGroup.create(seq, sp.n)
+        if isinstance(group, BeamGroup) and group.num_candidates > (self.config.vocab_size or group.num_candidates):
+            raise RequestRejected(f"{sp.n} beams keep {group.num_candidates} candidates a step, more than the "
+                                  f"vocabulary's {self.config.vocab_size} tokens", 400, "n")
         self.seqs[seq.seq_id] = seq
-        self.groups[er.request_id] = (BeamGroup.create(seq, self.eos_token_ids) if sp.use_beam_search
-                                      else SequenceGroup.create(seq, sp.n))
+        self.groups[er.request_id] = group
         self.waiting.append(seq)
 
     def abort_requests(self, request_ids: list[str], indexes: list[int] | None = None) -> list[EngineOutput]:
@@ -129,13 +134,14 @@ class Scheduler(BeamScheduling):
             budget -= n
             i += 1
 
-        lora_keys = {s.lora.key for s in self.running if s.lora} if self.config.max_loras else set()
+        lora_keys = {s.lora.key for q in (self.running, self.parked) for s in q if s.lora} if self.config.max_loras \
+            else set()
         if not preempted:
             budget = self._swap_in(out, budget, lora_keys)
         if not preempted and not self.swapped:
             self._admit(out, budget, lora_keys)
-        if not (out.new_seqs or out.cached_seqs) and self.waiting and not any(s.num_pending for s in self.running):
-            self._unpark(self.groups[self.waiting[0].request_id], out)
+        if self.parked and not (out.new_seqs or out.cached_seqs):
+            self._unpark_if_stuck(out)
         if self._step_loras:
             out.lora_loads = self.lora_slots.place(self._step_loras)
         if out.new_seqs or out.cached_seqs:
@@ -196,7 +202,7 @@ class Scheduler(BeamScheduling):
         return self._num_seqs(seq)
 
     def _num_running_seqs(self) -> int:
-        return sum(self._num_seqs(s) for s in self.running)
+        return sum(self._num_seqs(s) for s in self.running) + len(self.parked)
 
     def _may_start(self, seq: Sequence, num_running: int) -> bool:
         """Its in-flight sample is back, and it (with the unborn choices it brings) fits max_num_seqs."""
@@ -218,16 +224,6 @@ class Scheduler(BeamScheduling):
         return seq.num_pending > 0 and (self.config.speculative or sp.use_beam_search or (
             sp.structured_outputs is not None and not seq.output_token_ids))
 
-    def _lookahead(self, seq: Sequence, n: int) -> int:
-        """Extra KV slots for a step that samples: a draft model writes its drafts' KV past the step's
-        tokens while proposing (none for the n-gram proposer). Never past the context limit or the
-        sequence's longest possible length, which admission made sure fits the pool."""
-        k = self.config.spec_lookahead_slots
-        end = seq.num_computed_tokens + n
-        if not k or end < seq.num_tokens:
-            return 0
-        return max(0, min(k, self.config.max_model_len - end, seq.num_prompt_tokens + seq.max_tokens - end))
-
     def _crosses_long_rope(self, seq: Sequence) -> bool:
         """LongRoPE (Phi-3) rotates a sequence longer than the pretraining length with its long factors,
         and HF then runs the whole sequence again, so that every key is rotated that way. A sequence
@@ -235,19 +231,6 @@ class Scheduler(BeamScheduling):
         into its own blocks (copy-on-write where shared), in budget-sized chunks like any prefill."""
         after = self.config.long_rope_after
         return after is not None and not seq.rope_long and seq.num_tokens > after and seq.num_computed_tokens > 0
-
-    def _take_drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """The drafts a decoding sequence verifies this step, within the budget, max_tokens and the context
-        (the step also samples one token of its own after them); none when the batch is too large to pay."""
-        drafts, seq.spec_token_ids = seq.spec_token_ids, []
-        limit = self.config.spec_disable_by_batch_size
-        if not drafts or (limit is not None and len(self.running) >= limit):
-            return []
-        room = min(budget, seq.max_tokens - len(seq.output_token_ids), self.config.max_model_len - seq.num_tokens) - 1
-        after = self.config.long_rope_after
-        if after is not None and seq.num_tokens <= after:   # drafts stay short of LongRoPE's switch, which
-            room = min(room, after - seq.num_tokens)         # recomputes the sequence once its tokens pass it
-        return drafts[:max(room, 0)]
 
     def _emit(self, seq: Sequence, n: int, alloc: tuple[list[tuple[int, int]], int], out: SchedulerOutput,
               drafts: list[int] = ()) -> None:
@@ -342,7 +325,7 @@ class Scheduler(BeamScheduling):
             outs.append(eo)
         for seq_id, plp in result.prompt_logprobs.items():   # chunks that did not sample yet
             seq = self.seqs.get(seq_id)
-            if seq is not None and seq_id not in result.seq_ids:
+            if seq is not None and seq_id not in result.seq_ids and self._reports_prompt_logprobs(seq):
                 outs.append(EngineOutput(seq.request_id, seq.index, [], prompt_logprobs=plp,
                                          num_prompt_tokens=seq.num_prompt_tokens))
         return outs
@@ -366,21 +349,6 @@ class Scheduler(BeamScheduling):
         rids = sorted({s.request_id for s in self.seqs.values() if s.lora is not None and s.lora.key == key})
         return [EngineOutput(o.request_id, o.index, [], finish_reason="error", error=error)
                 for o in self.abort_requests(rids)]
-
-    def _settle_drafts(self, seq: Sequence, num_sampled: int) -> None:
-        """Roll back the lookahead slots of rejected drafts: their KV is overwritten by the next step, and
-        since only known tokens are ever hashed, no cached block holds them."""
-        drafts, seq.num_inflight_drafts = seq.num_inflight_drafts, 0
-        if not drafts:
-            return
-        accepted = num_sampled - 1
-        st = self.stats
-        st.spec_num_accepted_tokens += accepted
-        st.spec_accepted_per_pos += [0] * (drafts - len(st.spec_accepted_per_pos))
-        for i in range(accepted):
-            st.spec_accepted_per_pos[i] += 1
-        if seq.num_computed_tokens:          # 0: preempted by recompute meanwhile, nothing to roll back
-            seq.num_computed_tokens -= drafts - accepted
 
     def _append(self, seq: Sequence, sampled: list[int], max_len: int) -> tuple[list[int], bool]:
         """Append sampled tokens one by one until a stop condition holds; the rest are dropped."""
@@ -422,6 +390,8 @@ class Scheduler(BeamScheduling):
             self.waiting.remove(seq)
         elif seq.status is Status.SWAPPED:
             self.swapped.remove(seq)
+        elif seq.status is Status.PARKED:
+            self.parked.remove(seq)
         seq.status = Status.FINISHED
         self.kv.free(seq)
         if seq.on_worker:
