@@ -20,7 +20,6 @@ from scheduler.beam_search import BeamGroup, Continuation
 from scheduler.sequence import Sequence, Status
 
 
-
 class BeamScheduling:
     def _beam_sampled(self, seq: Sequence, result: ModelRunnerOutput, k: int) -> list[EngineOutput]:
         """Park a beam that sampled; once all its siblings have, pick the next beams."""
@@ -112,11 +111,4 @@ class BeamScheduling:
         for beam in [b for b in self.parked if self.groups[b.request_id] is not keep]:
             self.groups[beam.request_id].candidates.pop(beam.seq_id, None)
             self.parked.remove(beam)
-            self.kv.free(beam)
-            if beam.on_worker:
-                out.finished_seq_ids.append(beam.seq_id)
-            beam.on_worker, beam.worker_num_blocks, beam.num_computed_tokens = False, 0, 0
-            beam.status = Status.WAITING
-            self.waiting.append(beam)
-            self.stats.num_preemptions += 1
-            self.stats.num_recompute_preemptions += 1
+            self._preempt(beam, out, behind=True)

@@ -270,7 +270,8 @@ class Scheduler(BeamScheduling, SpecScheduling):
         # which is safe because every layer writes the step's K/V before any of its attention reads.
         self.kv.cache_full_blocks(seq)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, behind: bool = False) -> None:
+        """Swap seq out, or free it to be recomputed: next in line, or `behind` every waiting sequence."""
         self.stats.num_preemptions += 1
         seq.num_preemptions += 1
         seq.spec_token_ids = []
@@ -289,7 +290,10 @@ class Scheduler(BeamScheduling, SpecScheduling):
             self.kv.free(seq)
             seq.num_computed_tokens = 0
             seq.status = Status.WAITING
-            self.waiting.appendleft(seq)
+            if behind:
+                self.waiting.append(seq)
+            else:
+                self.waiting.appendleft(seq)
             self.stats.num_recompute_preemptions += 1
 
     # ---- results -------------------------------------------------------------------------------
