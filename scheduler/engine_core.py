@@ -63,8 +63,13 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineOutput]:
+        """One synchronous step (the offline API, the warm-up). With no step in flight an empty schedule
+        while requests remain can never change by itself: that is a scheduler bug, raised, not a hang."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError(f"the scheduler can run none of its unfinished requests "
+                                   f"({self.scheduler.snapshot()})")
             return []
         return self.update_from_output(sched, self.executor.execute(sched))
 

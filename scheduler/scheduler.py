@@ -410,5 +410,6 @@ class Scheduler(BeamScheduling, SpecScheduling):
     # ---- observability -------------------------------------------------------------------------
     def snapshot(self) -> dict[str, float]:
         return {"running": len(self.running), "waiting": len(self.waiting), "swapped": len(self.swapped),
+                "parked": len(self.parked),
                 "kv_cache_usage": self.kv.pool.usage, "num_free_blocks": self.kv.num_free_blocks,
                 "num_blocks": self.kv.pool.num_blocks}

@@ -276,3 +276,18 @@ def test_a_wide_search_travels_to_the_workers() -> None:
     them through the wire form (a logprobs of 22 failed validation in the worker and killed it)."""
     assert _simulate([EngineRequest("w", [1, 2, 3], SamplingParams(n=11, use_beam_search=True, max_tokens=3,
                                                                     ignore_eos=True))], 64, 64, 16) == {"w": 11}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_stalled_scheduler_is_an_error_not_a_hang(eos_model, monkeypatch) -> None:
+    """Offline, with no step in flight, a step that schedules nothing while requests remain can never
+    change: the engine raises. Made to happen by switching off the give-way of parked beams in the tightest
+    cache (the 'tightest' case above, which finishes with it)."""
+    from pagedserve import LLM
+    from scheduler.scheduler import Scheduler
+    monkeypatch.setattr(Scheduler, "_unpark_if_stuck", lambda self, out: None)
+    llm = LLM(str(eos_model), dtype="float32", num_gpu_blocks=20, block_size=4)
+    ids = [llm.tokenizer.encode(t) for t in PROMPTS]
+    with pytest.raises(RuntimeError, match="can run none of its unfinished requests.*'parked': [1-9]"):
+        llm.beam_search([{"prompt_token_ids": p} for p in ids], BeamSearchParams(beam_width=4, max_tokens=8))
