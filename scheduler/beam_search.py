@@ -92,18 +92,6 @@ class BeamGroup:
     def num_candidates(self) -> int:
         return num_candidates(self.width, len(self.stop_ids))
 
-    @property
-    def seqs(self) -> list[Sequence]:
-        return list(self.beams)
-
-    @property
-    def pending_fork(self) -> bool:
-        return False
-
-    @property
-    def is_finished(self) -> bool:
-        return self.done
-
     def num_seqs_brought(self, seq: Sequence) -> int:
         """Before the first selection the one beam stands for all `width` it will become."""
         return self.width if not self.selected else 1

@@ -219,7 +219,7 @@ class Scheduler(BeamScheduling, SpecScheduling):
         worker's copy, where what comes next is decided here: the drafts proposed after it (speculation;
         pipelining would otherwise always schedule it before its drafts arrive), the beams chosen from its
         candidates (beam search), or whether a constrained sequence's first sample happened at all (the
-        worker skips it while the grammar still compiles (gpu_worker/structured_output/manager.py)."""
+        worker skips it while the grammar still compiles: gpu_worker/structured_output/manager.py)."""
         sp = seq.sampling_params
         return seq.num_pending > 0 and (self.config.speculative or sp.use_beam_search or (
             sp.structured_outputs is not None and not seq.output_token_ids))
@@ -303,10 +303,9 @@ class Scheduler(BeamScheduling, SpecScheduling):
         self._defer_samples(result.deferred_seq_ids)
         max_len = self.config.max_model_len
         for k, seq_id in enumerate(result.seq_ids):
-            seq = self.seqs.get(seq_id)
-            if seq is None or seq.is_finished or seq.num_pending == 0:
-                continue  # finished or aborted while the step ran
-            seq.num_pending -= 1    # a sequence preempted meanwhile keeps its token: it was computed correctly
+            seq = self._sample_back(seq_id)
+            if seq is None:
+                continue
             if seq.sampling_params.use_beam_search:
                 outs += self._beam_sampled(seq, result, k)
                 continue
@@ -334,15 +333,21 @@ class Scheduler(BeamScheduling, SpecScheduling):
                                          num_prompt_tokens=seq.num_prompt_tokens))
         return outs
 
+    def _sample_back(self, seq_id: str) -> Sequence | None:
+        """The sequence whose in-flight sample a step's result answers (None: it finished or was aborted
+        while the step ran). A sequence preempted meanwhile keeps its token: it was computed correctly."""
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.is_finished or seq.num_pending == 0:
+            return None
+        seq.num_pending -= 1
+        return seq
+
     def _defer_samples(self, seq_ids: list[str]) -> None:
         """Sequences whose grammar was still compiling sampled nothing: their last token runs again (the
         same KV into the same slot) in a later step, which samples then."""
         for seq_id in seq_ids:
-            seq = self.seqs.get(seq_id)
-            if seq is None or seq.is_finished or seq.num_pending == 0:
-                continue
-            seq.num_pending -= 1
-            if seq.num_computed_tokens:          # 0: preempted by recompute meanwhile
+            seq = self._sample_back(seq_id)
+            if seq is not None and seq.num_computed_tokens:          # 0: preempted by recompute meanwhile
                 seq.num_computed_tokens -= 1
                 self.stats.prompt_tokens -= 1    # counted again when it runs again
 
