@@ -119,7 +119,7 @@ class ModelRunner:
         """Size and allocate the KV cache (after a profiling pass on GPU) and say what was allocated."""
         self.eos_ids |= set(eos_token_ids)
         num_blocks, num_host = self.profile_num_blocks()
-        self._centre_fp8_keys()
+        self._centre_fp8_kv()
         self.init_kv_cache(num_blocks, num_host)
         if self.config.calculate_kv_scales:
             self._calibrate_kv_scales_on_first_step()
@@ -217,17 +217,17 @@ class ModelRunner:
         n = self.config.max_num_batched_tokens
         self._throwaway_step([[0] * min(self.max_model_len, n - start) for start in range(0, n, self.max_model_len)])
 
-    def _centre_fp8_keys(self) -> None:
-        """Each rotated layer's key mean from one pass over a fixed text (layers/kv_rotation.py), before the
-        cache holds anything. Every rank runs it (its collectives), each for its own heads."""
+    def _centre_fp8_kv(self) -> None:
+        """Each rotated layer's centres and gains from one pass over a fixed text (layers/kv_rotation.py),
+        before the cache holds anything. Every rank runs it (its collectives), each for its own heads."""
         layers = [m for m in self.model.modules() if getattr(m, "kv_rotation", None) is not None]
         if not layers:
             return
         for m in layers:
-            m.k_shift_calibration = True
+            m.kv_centres_calibration = True
         ids = self.source.load_tokenizer().encode(CALIBRATION_TEXT)[:self.max_model_len]
         self._throwaway_step([ids])
-        log.info("fp8 KV cache: keys centred in %d layers", sum(m.k_shift is not None for m in layers))
+        log.info("fp8 KV cache: keys and values centred in %d layers", sum(m.kv_centres is not None for m in layers))
 
     def _throwaway_step(self, prompts: list[list[int]]) -> None:
         """Prefill `prompts` in one step on a cache of their own, then forget them and that cache."""

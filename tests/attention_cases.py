@@ -49,9 +49,11 @@ def rand(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, devic
 
 
 def dense_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                    scale: float, window: int | None = None, softcap: float | None = None,
+                    sink: torch.Tensor | None = None) -> torch.Tensor:
     """Attention written out per query token from the definition: the keys at positions
-    max(0, p - window + 1) .. p of its sequence, scores soft-capped, softmax in fp64."""
+    max(0, p - window + 1) .. p of its sequence, scores soft-capped, softmax in fp64; `sink` [2, Hkv, D]
+    added to position 0's key and value."""
     hkv, d = k_cache.shape[-2:]
     group = query.shape[1] // hkv
     out = torch.empty_like(query)
@@ -61,6 +63,9 @@ def dense_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                  for t in range(length)]
         k = k_cache.reshape(-1, hkv, d)[slots].double().repeat_interleave(group, dim=1)   # [L, Hq, D]
         v = v_cache.reshape(-1, hkv, d)[slots].double().repeat_interleave(group, dim=1)
+        if sink is not None:
+            k[0] += sink[0].double().to(k.device).repeat_interleave(group, 0)
+            v[0] += sink[1].double().to(v.device).repeat_interleave(group, 0)
         for j, row in enumerate(range(starts[i], starts[i + 1])):
             p = ctx + j
             lo = 0 if window is None else max(0, p - window + 1)

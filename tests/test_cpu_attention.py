@@ -88,6 +88,36 @@ def test_native_runs_across_chunks_match_fp64(seqs, block_size, window, softcap,
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 3.0)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("native_on", [True, False], ids=["native", "sdpa"])
+def test_a_sink_is_added_to_position_0_on_every_path(native_on, kv_dtype, window, softcap, isa, force_isa):
+    """An fp8 cache stores position 0 around a centre of its own and the readers add the difference
+    (layers/kv_rotation.py): decodes, runs behind a context, fresh prefills and a chunk behind a context of
+    20 keys (SDPA's gather path), against fp64 with the sink added to each sequence's first entry."""
+    if native_on and not native.available():
+        pytest.skip("the native kernels are not built")
+    force_isa(isa)
+    seqs = [(20, 1), (0, 1), (33, 1), (0, 9), (13, 5), (20, 18), (300, 1)]
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d, bs = 6, 2, 64, 16
+    num_blocks = sum((c + q + bs - 1) // bs for c, q in seqs) + 3
+    meta = make_meta(seqs, bs, num_blocks, gen, CPU)
+    k_cache, v_cache = (to_cache(rand((num_blocks, bs, hkv, d), torch.float32, gen, CPU), kv_dtype, 1.0)
+                        for _ in range(2))
+    query = rand((sum(q for _, q in seqs), hq, d), torch.float32, gen, CPU)
+    key, value = (c.view(-1, hkv, d)[meta.slot_mapping].float() for c in (k_cache, v_cache))
+    sink = 3.0 * rand((2, hkv, d), torch.float32, gen, CPU)
+    backend = TorchAttentionBackend(native=native_on)
+    got = backend.forward(query, key, value, k_cache, v_cache, backend.prepare(meta), d ** -0.5, window=window,
+                          softcap=softcap, sink=sink)
+    want = dense_reference(query, k_cache.float(), v_cache.float(), meta, d ** -0.5, window, softcap, sink)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    plain = dense_reference(query, k_cache.float(), v_cache.float(), meta, d ** -0.5, window, softcap)
+    assert (got - plain).abs().max() > 0.1          # the sink moved the outputs of rows that see position 0
+
+
 def _attend_at(k_cache, v_cache, query_rows, tables, lens, runs, window):
     """Kernel output for sequences with block tables `tables`, lengths `lens` and `runs` query tokens each."""
     q_start = torch.zeros(len(runs) + 1, dtype=torch.int32)

@@ -4,6 +4,7 @@ own outputs, and on the default model the next-token choice stays that of an fp3
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedserve import LLM, SamplingParams
 from tests.test_correctness import ENGINE_VARIANTS, prompt_ids, run_greedy
@@ -112,7 +113,10 @@ def test_calculated_kv_scales_come_from_the_first_forward_pass(tiny_model):
         k, v = seen["kv"]
         runs.append(([o.outputs[0].token_ids for o in out], attn.k_scale, attn.v_scale))
         assert attn.kv_calibration_max is None
-        rotated = v.reshape(v.shape[0], -1, attn.head_dim) @ attn.kv_rotation     # fp8 caches hold V rotated
+        # fp8 caches hold V centred (each prompt's first row around its own centre) and rotated
+        first = torch.tensor([i == 0 for p in prompts for i in range(len(p))])
+        v3 = v.reshape(v.shape[0], -1, attn.head_dim)
+        rotated = attn.kv_centres.apply(torch.zeros_like(v3), torch.zeros_like(v3), v3, first, attn.kv_rotation)[2]
         assert attn.v_scale == pytest.approx(float(rotated.abs().max()) / 448, rel=1e-5)
         assert 0 < attn.k_scale != 1.0      # K is taken after rope, so not the raw projection's amax
     assert runs[0] == runs[1]

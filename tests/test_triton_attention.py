@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 from gpu_worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from gpu_worker.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from gpu_worker.kernels.triton_jit import interpret_mode  # noqa: E402
-from tests.attention_cases import make_meta, rand  # noqa: E402
+from tests.attention_cases import dense_reference, make_meta, rand  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -64,6 +64,25 @@ def test_forward_mixed_batch_matches_torch(hq: int, hkv: int, block_size: int, d
     out, expected = run_both(MIXED, hq, hkv, 64, block_size, dtype)
     assert out.shape == expected.shape and out.dtype == expected.dtype
     torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, 5.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=["fp32", "fp8"])
+def test_forward_with_a_sink_matches_torch(dtype, window, softcap) -> None:
+    """Position 0's key and value plus the sink (an fp8 cache's own centre for it, layers/kv_rotation.py)."""
+    sink = 3.0 * torch.randn(2, 2, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    gen = torch.Generator().manual_seed(9)
+    meta = make_meta(MIXED, 8, 64, gen)
+    k_cache, v_cache = (rand((64, 8, 2, 32), torch.float32, gen).to(dtype) for _ in range(2))
+    query = rand((sum(q for _, q in MIXED), 4, 32), torch.float32, gen)
+    tri = TritonAttentionBackend()
+    key, value = (c.view(-1, 2, 32)[meta.slot_mapping] for c in (k_cache, v_cache))
+    out = tri.forward(query, key, value, k_cache, v_cache, tri.prepare(meta), 32 ** -0.5, window=window,
+                      softcap=softcap, sink=sink)
+    want = dense_reference(query, k_cache.float(), v_cache.float(), meta, 32 ** -0.5, window, softcap, sink)
+    torch.testing.assert_close(out, want, **TOL[torch.float32])
+    plain = dense_reference(query, k_cache.float(), v_cache.float(), meta, 32 ** -0.5, window, softcap)
+    assert (out - plain).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("window,softcap", [(6, None), (1, None), (None, 5.0), (6, 5.0)])

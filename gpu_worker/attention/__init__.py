@@ -54,10 +54,12 @@ class AttentionBackend(Protocol[M]):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: M, scale: float, k_scale: float = 1.0,
-                v_scale: float = 1.0) -> torch.Tensor:
+                v_scale: float = 1.0, window: int | None = None, softcap: float | None = None,
+                sink: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output [T, Hq, D] of the step's queries over the cache (already holding this step's
         K/V); `key`/`value` are the step's new K/V, which a backend may read directly where it helps,
-        but only as the cache would give them back."""
+        but only as the cache would give them back. `sink` [2, Hkv, D]: added to every sequence's
+        position-0 key and value as read (layers/kv_rotation.py)."""
 
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]   # per layer (key cache, value cache)

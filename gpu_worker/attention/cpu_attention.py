@@ -59,9 +59,11 @@ def prepare(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc:
 
 
 def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, nr: NativeRuns,
-           scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+           scale: float, window: int | None = None, softcap: float | None = None,
+           sink: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output [rows, Hq, D] (in query's dtype) of the kernel's rows, from the cache as it is
-    stored; `window` limits each to its last keys, `softcap` caps the scores (the kernel's header says how)."""
+    stored; `window` limits each to its last keys, `softcap` caps the scores (the kernel's header says how),
+    `sink` [2, Hkv, D] is added to position 0's key and value (TorchAttentionBackend.forward)."""
     q = query if nr.rows is None else query[nr.rows]
     q32 = q.float().contiguous()
     rows, hq, d = q32.shape
@@ -70,7 +72,7 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, nr
     rc = native.library().psq_paged_attention(
         q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KV_DTYPE_CODES[k_cache.dtype], nr.tables.data_ptr(),
         nr.tables.shape[1], nr.lens.data_ptr(), nr.q_start.data_ptr(), nr.lens.shape[0], hq, hkv, d, bs, scale,
-        out.data_ptr(), window or 0, softcap or 0.0, native.cpu_isa())
+        out.data_ptr(), window or 0, softcap or 0.0, None if sink is None else sink.data_ptr(), native.cpu_isa())
     if rc != 0:
         raise ValueError(f"the native attention kernel cannot take {hq} query heads over {hkv} kv heads")
     return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -156,17 +156,19 @@ class TorchAttentionBackend:
 
     def forward(self, query, key, value, k_cache, v_cache, meta: TorchAttentionMetadata, scale: float,
                 k_scale: float = 1.0, v_scale: float = 1.0, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, sink: torch.Tensor | None = None) -> torch.Tensor:
         """query [T, Hq, D]; `key`/`value` [T, Hkv, D] are read directly by fresh prefills (no gather).
         K and V are read as the cache holds them (for fp8, divided by the layer's scales): the scales
         multiply the softmax scale and the output, so every path sees the same values. `window`: each
-        query sees only its last `window` keys; `softcap`: scores become tanh(s / cap) * cap."""
+        query sees only its last `window` keys; `softcap`: scores become tanh(s / cap) * cap; `sink`
+        [2, Hkv, D] fp32: added to every sequence's position-0 key and value as the cache holds them (an
+        fp8 cache stores that entry around a centre of its own, layers/kv_rotation.py)."""
         if k_cache.dtype in FP8_DTYPES and meta.prefills:
             key = to_cache(key, k_cache.dtype, k_scale).to(query.dtype)      # what a later step reads back
             value = to_cache(value, v_cache.dtype, v_scale).to(query.dtype)
         scale = scale * cache_scale(k_cache.dtype, k_scale)
         v_scale = cache_scale(v_cache.dtype, v_scale)
-        nr, how = meta.native, (scale, window, softcap)
+        nr, how = meta.native, (scale, window, softcap, sink)
         if nr is not None and nr.rows is None:
             out = cpu_attention.attend(query, k_cache, v_cache, nr, *how)
         elif len(meta.decodes) == 1 and meta.decodes[0].all_rows:
@@ -182,32 +184,45 @@ class TorchAttentionBackend:
         return out if v_scale == 1.0 else out * v_scale
 
     def _decode(self, query, k_cache, v_cache, g: DecodeGroup, scale: float, window: int | None,
-                softcap: float | None) -> torch.Tensor:
+                softcap: float | None, sink: torch.Tensor | None) -> torch.Tensor:
         nh, hd = k_cache.shape[-2:]
         bd, length = g.blocks.shape[0], g.blocks.shape[1] * k_cache.shape[1]
         q = (query if g.all_rows else query[g.rows]).unsqueeze(2)              # [Bd, Hq, 1, D]
         # gathering whole blocks copies contiguous chunks: much cheaper than a gather per slot
         k = self._gather("k", k_cache, g.blocks).view(bd, length, nh, hd).transpose(1, 2)   # [Bd, Hkv, L, D]
         v = self._gather("v", v_cache, g.blocks).view(bd, length, nh, hd).transpose(1, 2)
-        o = _attend(q, k.to(q.dtype), v.to(q.dtype), g.mask_for(window), scale, softcap)
+        k, v = _with_sink(k.to(q.dtype), v.to(q.dtype), sink, 2)
+        o = _attend(q, k, v, g.mask_for(window), scale, softcap)
         return o.squeeze(2)
 
     def _prefill_attention(self, query, key, value, k_cache, v_cache, p: PrefillChunk, scale: float,
-                           window: int | None, softcap: float | None) -> torch.Tensor:
+                           window: int | None, softcap: float | None, sink: torch.Tensor | None) -> torch.Tensor:
         nh, hd = k_cache.shape[-2:]
         q = query[p.rows].transpose(0, 1).unsqueeze(0)                         # [1, Hq, n, D]: 4-D is SDPA's fast path
         mask = p.mask_for(window, q.device)
         if p.blocks is None:                                                   # fresh: no cached context
             k, v = key[p.rows], value[p.rows]
+            if sink is not None:                                               # not the step's own tensors
+                k, v = _with_sink(k.clone(), v.clone(), sink, 0)
         else:     # behind a window, only the blocks from the one holding the first query's first key
             n, bs = p.rows.stop - p.rows.start, k_cache.shape[1]
             lo = 0 if window is None else max(0, p.length - n - window + 1) // bs
             k = self._gather("k", k_cache, p.blocks[lo:]).view(-1, nh, hd)[:p.length - lo * bs]
             v = self._gather("v", v_cache, p.blocks[lo:]).view(-1, nh, hd)[:p.length - lo * bs]
+            k, v = _with_sink(k.to(q.dtype), v.to(q.dtype), sink if lo == 0 else None, 0)
             mask = mask[:, lo * bs:]
         o = _attend(q, k.transpose(0, 1).unsqueeze(0).to(q.dtype), v.transpose(0, 1).unsqueeze(0).to(q.dtype), mask,
                     scale, softcap)
         return o.squeeze(0).transpose(0, 1)
+
+
+def _with_sink(k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None,
+               dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v (copies of the cache's entries, position 0 at index 0 of `dim`) with the sink added there."""
+    if sink is not None:
+        k.select(dim, 0).add_(sink[0].to(k.dtype))
+        v.select(dim, 0).add_(sink[1].to(v.dtype))
+    return k, v
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

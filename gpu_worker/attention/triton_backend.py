@@ -78,6 +78,7 @@ def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, context_lens_ptr,
     tile_seq_ptr, tile_qoff_ptr,
+    sink_ptr,                       # with SINK: [2, Hkv, head_dim] fp32 added to position 0's key and value
     qk_scale,                       # softmax scale * k scale * log2(e): the softmax runs in base 2 (exp2)
     v_scale,                        # the layer's v scale (1.0 unless the cache is fp8)
     window,                         # > 0: each query sees its last `window` keys only (sliding window)
@@ -95,6 +96,7 @@ def _paged_attention_kernel(
     HEAD_PAD: tl.constexpr,         # head_dim padded to a power of two (>= 16)
     IEEE_FP32: tl.constexpr,        # fp32 inputs: force "ieee" dots so fp32 stays fp32 (no tf32 rounding)
     SOFTCAP: tl.constexpr,          # soft-capped scores (Gemma 2)
+    SINK: tl.constexpr,             # an fp8 cache's position 0 is centred apart (layers/kv_rotation.py)
 ):
     """Program (tile, kv_head): attention of BLOCK_Q query tokens x G heads of one sequence."""
     tile = tl.program_id(0)
@@ -131,6 +133,9 @@ def _paged_attention_kernel(
         kv_start = tl.maximum(ctx_len + q_off - window + 1, 0)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     n = tl.arange(0, TILE_N)
+    if SINK:
+        sink_k = tl.load(sink_ptr + kvh * head_dim + d, mask=d_ok, other=0.0)
+        sink_v = tl.load(sink_ptr + (tl.num_programs(1) + kvh) * head_dim + d, mask=d_ok, other=0.0)
     for start in range(kv_start, kv_end, TILE_N):
         k_pos = start + n
         k_ok = k_pos < kv_end
@@ -140,6 +145,8 @@ def _paged_attention_kernel(
         # K loaded transposed: [HEAD_PAD, TILE_N].
         k = tl.load(k_cache_ptr + blk[None, :] * stride_kcb + off[None, :] * stride_kco
                     + kvh * stride_kch + d[:, None] * stride_kcd, mask=kv_mask, other=0.0)
+        if SINK:
+            k = k.to(tl.float32) + tl.where(k_pos[None, :] == 0, sink_k[:, None], 0.0)
         if IEEE_FP32:
             s = tl.dot(q, k.to(q.dtype), input_precision="ieee")
         else:
@@ -162,6 +169,8 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vco
                     + kvh * stride_vch + d[None, :] * stride_vcd, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        if SINK:
+            v = v.to(tl.float32) + tl.where(k_pos[:, None] == 0, sink_v[None, :], 0.0)
         if IEEE_FP32:
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
         else:
@@ -271,10 +280,11 @@ class TritonAttentionBackend:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, tm: TritonAttentionMetadata, scale: float, k_scale: float = 1.0,
-                v_scale: float = 1.0, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                v_scale: float = 1.0, window: int | None = None, softcap: float | None = None,
+                sink: torch.Tensor | None = None) -> torch.Tensor:
         """query [T, Hq, D] -> [T, Hq, D]. Reads K/V only from the cache (write_kv must have run for this
-        step's tokens); the step's own `key`/`value` are not needed. `window` and `softcap` as in the
-        torch backend."""
+        step's tokens); the step's own `key`/`value` are not needed. `window`, `softcap` and `sink` as in
+        the torch backend."""
         meta = tm.base
         _, attn_kernel = _kernels()
         num_tokens, num_q_heads, head_dim = query.shape
@@ -295,6 +305,7 @@ class TritonAttentionBackend:
             out, query, k_cache, v_cache,
             meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.context_lens,
             tile_seq, tile_qoff,
+            query if sink is None else sink.to(query.device, torch.float32).contiguous(),
             float(scale) * cache_scale(k_cache.dtype, k_scale) * _LOG2E, cache_scale(v_cache.dtype, v_scale),
             int(window or 0), float(softcap or 1.0),
             *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
@@ -302,5 +313,6 @@ class TritonAttentionBackend:
             head_dim, meta.block_size,
             G=group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=self.tile_n,
             HEAD_PAD=_head_pad(head_dim), IEEE_FP32=query.dtype == torch.float32, SOFTCAP=softcap is not None,
+            SINK=sink is not None,
         )
         return out

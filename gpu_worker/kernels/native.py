@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "qgemm.cpp", HERE / "paged_attention.cpp", HERE / "rms_norm.cpp")
 HEADERS = (HERE / "fp8.h",)
 LIBRARY = HERE / "_build" / "libpsq.so"
-ABI_VERSION = 6
+ABI_VERSION = 7
 ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
 
@@ -98,7 +98,7 @@ def library() -> ctypes.CDLL | None:
     lib.psq_dequantize.argtypes = [p, p, p, i, i, i, i, p, i]
     lib.psq_dequantize.restype = None
     f = ctypes.c_float
-    lib.psq_paged_attention.argtypes = [p, p, p, i, p, i, p, p, i, i, i, i, i, f, p, i, f, i]
+    lib.psq_paged_attention.argtypes = [p, p, p, i, p, i, p, p, i, i, i, i, i, f, p, i, f, p, i]
     lib.psq_paged_attention.restype = i
     lib.psq_rms_norm.argtypes = [p, i, i, p, f, p, i]
     lib.psq_rms_norm.restype = None

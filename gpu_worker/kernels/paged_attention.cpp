@@ -48,6 +48,8 @@ struct Args {
     const float* q; const void* k; const void* v; int kv_dtype;
     const int32_t* tables; int max_blocks; const int32_t* lens; const int32_t* q_start;
     int B, Hq, Hkv, D, bs; float scale; float* out; int window; float softcap;
+    const float* sink;    // null, or [2][Hkv][D]: added to position 0's key and value as stored (an fp8
+                          // cache centres that entry apart; gpu_worker/layers/kv_rotation.py)
 };
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -359,7 +361,9 @@ inline void prefetch_tile(const Args& a, const int32_t* table, int h0, int nh, i
 template <int W, int NV, int KT>
 __attribute__((always_inline)) inline void head_chunk(const Args& a, Scratch& s, const void* const* kp,
                                                       const void* const* vp, int r0, int Rh, int G, int p0, int c0,
-                                                      int k_lo, int k_hi, int lo, int hi, int D) {
+                                                      int k_lo, int k_hi, int lo, int hi, int D, int h) {
+    // position 0 in this chunk (then c0 = 0): its key as stored plus the sink's, as a score term q.dk
+    const float* sink_k = a.sink && k_lo == 0 ? a.sink + (int64_t)h * D : nullptr;
     if constexpr (NV > 0) dots_rows<W, NV, KT, dot_rows<W, NV>()>(Rh, &s.qp[r0], kp, lo, hi, &s.sp[r0]);
     int live = 0;
     for (int r = r0; r < r0 + Rh; ++r) {
@@ -374,6 +378,11 @@ __attribute__((always_inline)) inline void head_chunk(const Args& a, Scratch& s,
         }
         ++live;
         if constexpr (NV == 0) dots_any<KT>(s.qp[r], kp, vlo, vhi, D, sc);
+        if (sink_k && vlo == 0) {
+            float extra = 0.f;
+            for (int i = 0; i < D; ++i) extra += s.qp[r][i] * sink_k[i];
+            sc[0] += extra;
+        }
         if (a.softcap > 0.f)
             for (int t = vlo; t < vhi; ++t) sc[t] = tanhf(sc[t] / a.softcap) * a.softcap;
         s.m[r] = max_of(sc + vlo, vhi - vlo, -INFINITY);
@@ -386,6 +395,11 @@ __attribute__((always_inline)) inline void head_chunk(const Args& a, Scratch& s,
         accumulate_rows<W, NV, KT, acc_rows<W, NV>()>(Rh, &s.ap[r0], &s.corr[r0], &s.sp[r0], vp, lo, hi);
     else
         for (int r = r0; r < r0 + Rh; ++r) accumulate_any<KT>(s.ap[r], s.corr[r], s.sp[r], vp, lo, hi, D);
+    if (sink_k) {          // and its value plus the sink's: weight (0 where unseen) times dv
+        const float* sink_v = a.sink + ((int64_t)a.Hkv + h) * D;
+        for (int r = r0; r < r0 + Rh; ++r)
+            for (int i = 0; i < D; ++i) s.ap[r][i] += s.sp[r][0] * sink_v[i];
+    }
 }
 
 // Attention of sequence b's query rows over kv heads [h0, h0 + nh) and the keys [k_lo, k_hi) of one
@@ -440,7 +454,7 @@ __attribute__((always_inline)) inline void attend(const Args& a, int b, int h0, 
             }
             kp = s.kh.data(), vp = s.vh.data();
         }
-        head_chunk<W, NV, KT>(a, s, kp, vp, hh * Rh, Rh, G, p0, c0, k_lo, k_hi, lo, hi, D);
+        head_chunk<W, NV, KT>(a, s, kp, vp, hh * Rh, Rh, G, p0, c0, k_lo, k_hi, lo, hi, D, h0 + hh);
     }
 }
 
@@ -585,11 +599,12 @@ extern "C" {
 // Returns 0, or -1 when the shapes are beyond the kernel.
 int psq_paged_attention(const float* q, const void* k_cache, const void* v_cache, int kv_dtype, const int32_t* tables,
                         int max_blocks, const int32_t* seq_lens, const int32_t* q_start, int B, int Hq, int Hkv, int D,
-                        int block_size, float scale, float* out, int window, float softcap, int isa) {
+                        int block_size, float scale, float* out, int window, float softcap, const float* sink,
+                        int isa) {
     if (Hkv <= 0 || Hq % Hkv || kv_dtype < 0 || kv_dtype > 4 || D <= 0) return -1;
     if (B <= 0) return 0;
     const Args a{q, k_cache, v_cache, kv_dtype, tables, max_blocks, seq_lens, q_start, B, Hq, Hkv, D, block_size,
-                 scale, out, window, softcap};
+                 scale, out, window, softcap, sink};
     attend_all(a, pick(isa, D, kv_dtype));
     return 0;
 }

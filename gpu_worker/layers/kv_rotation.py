@@ -14,13 +14,27 @@ the most even spread), else a fixed seeded random orthogonal matrix.
 Keys are also centred: a layer's keys share a large common part (the mean over tokens, per head and
 channel), and subtracting one vector mu from every key changes each score of a query by the same q.mu,
 which softmax ignores. So the cache holds (k - mu) R, smaller numbers with smaller absolute rounding errors,
-and the attention output is unchanged in exact arithmetic. mu is measured once at start-up on a fixed text
-(CALIBRATION_TEXT); not with soft-capped scores (Gemma 2), where tanh does not ignore a shift. Over the
-shared workload's 10,178 prompt positions, e4m3 top-1 agreement with an fp32 cache went from 93.8% (rotated)
-to 95.1% (rotated and centred), mean KL from 0.0053 to 0.0031. Values are not centred: measured, their
-mean held back no error worth its extra output term.
+and the attention output is unchanged in exact arithmetic. Values are centred the same way: the weights of
+a query sum to 1, so the output of v - nu is the output of v minus nu, added back after the cache.
+
+Position 0 gets a centre of its own. Trained models park much of every query's attention on the first
+token (an attention sink), whose key and value are far from the others' mean and nearly the same whatever
+that token is; rounded around the common mean, its large entries carried most of the cache's score error.
+The cache holds position 0 around the first token's own key and value, and every reader adds the
+difference back to that entry (`KVCentres.sink`; the torch, native and Triton backends), so the scores and
+outputs stay exact in exact arithmetic.
+
+Last, keys are divided and queries multiplied by one gain per channel (q.k is unchanged): the score error
+of a rounded key grows with sum_c q_c^2 k_c^2 spread by R, which is least when gain_c^4 = E k_c^2 / E q_c^2
+(keys after centring); half that exponent measured best. The statistics are measured once at start-up
+on a fixed text (CALIBRATION_TEXT). Keys are not shifted where scores are soft-capped (Gemma 2): tanh does
+not ignore a shift. Over the shared workload's 10,178 prompt positions, e4m3 top-1 agreement with an fp32
+cache was 93.8% rotated only and 95.1% with centred keys (mean KL 0.0053 and 0.0031); what the sink
+centres and gains add is in loadtest/results/ (fp8_kv_sink_*.txt).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -44,3 +58,53 @@ def kv_rotation(head_dim: int, device: torch.device, dtype: torch.dtype = torch.
         g = torch.Generator().manual_seed(head_dim)
         r, _ = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64))
     return r.to(device=device, dtype=dtype)
+
+
+SMOOTHING = 0.5      # gain = (E k^2 / E q^2) ** (SMOOTHING / 4); 1 is the optimum for a perfect spread
+
+
+@dataclass
+class KVCentres:
+    """One layer's fp8-cache statistics, all [kv heads, head_dim] (fp32): the cache holds
+    ((k - centre) / gain) R and (v - centre) R, with position 0's own centres."""
+    k_mean: torch.Tensor
+    k_first: torch.Tensor
+    v_mean: torch.Tensor
+    v_first: torch.Tensor
+    gain: torch.Tensor
+
+    @staticmethod
+    def measure(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shift_keys: bool = True) -> "KVCentres":
+        """From one sequence's q [T, Hq, D], k, v [T, Hkv, D] starting at position 0 (after rope).
+        `shift_keys` False (soft-capped scores): keys keep a zero centre, and only the gain applies."""
+        q, k, v = q.float(), k.float(), v.float()
+        k_mean, k_first = (k.mean(0), k[0]) if shift_keys else (torch.zeros_like(k[0]),) * 2
+        group = q.shape[1] // k.shape[1]
+        q_ms = q[1:].reshape(q.shape[0] - 1, k.shape[1], group, -1).pow(2).mean((0, 2))
+        k_ms = (k[1:] - k_mean).pow(2).mean(0)
+        gain = (k_ms.clamp_min(1e-12) / q_ms.clamp_min(1e-12)) ** (SMOOTHING / 4)
+        gain = gain / gain.log().mean(-1, keepdim=True).exp()       # geometric mean 1: magnitudes stay put
+        return KVCentres(k_mean, k_first, v.mean(0), v[0], gain)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: torch.Tensor,
+              r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as the attention and the cache take them; `first` [T] bool: rows at position 0."""
+        at0 = first[:, None, None]
+        k = (k - torch.where(at0, self.k_first, self.k_mean).to(k.dtype)) / self.gain.to(k.dtype)
+        v = v - torch.where(at0, self.v_first, self.v_mean).to(v.dtype)
+        group = q.shape[1] // k.shape[1]
+        q = q * self.gain.to(q.dtype).repeat_interleave(group, 0)
+        return q @ r, k @ r, v @ r
+
+    def sink(self, r: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
+        """[2, kv heads, D] (the centres' dtype, fp32 as measured): what a reader adds to position 0's key
+        and value as the cache holds them (rotated, divided by the layer's scales), so that entry is
+        centred like the others."""
+        r = r.to(self.gain.dtype)
+        dk = ((self.k_first - self.k_mean) / self.gain) @ r
+        dv = (self.v_first - self.v_mean) @ r
+        return torch.stack((dk / k_scale, dv / v_scale)).contiguous()
+
+    def restore(self, o: torch.Tensor) -> torch.Tensor:
+        """The attention output o [T, Hq, D], rotated back, plus the value centre its weights dropped."""
+        return o + self.v_mean.to(o.dtype).repeat_interleave(o.shape[1] // self.v_mean.shape[0], 0)

@@ -69,13 +69,14 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[rows].unsqueeze(1).to(dtype)
         sin = self.sin[rows].unsqueeze(1).to(dtype)
         half = sin.shape[-1] // 2
-        return Rotation(cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1))
+        return Rotation(cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1), positions == 0)
 
 
 @dataclass
 class Rotation:
     cos: torch.Tensor     # [T, 1, D]
     sin: torch.Tensor     # [T, 1, D], first half negated: x*cos + swap_halves(x)*sin is HF's rotation
+    first: torch.Tensor   # [T] bool: rows at position 0 (an fp8 cache centres them apart, kv_rotation.py)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hk, D]. (-x2)*sin and x2*(-sin) are the same float, so this matches

@@ -15,9 +15,10 @@ from torch import nn
 
 from common.model_config import ModelConfig
 from common.tp_layout import QUANT_ALIGN, even_split, head_shard
-from gpu_worker.attention import AttentionBackend
+from gpu_worker.attention import AttentionBackend, cache_scale
 from gpu_worker.layers.activation import activation
 from gpu_worker.layers.embedding import VocabEmbedding, gather_logits, vocab_part
+from gpu_worker.layers.kv_rotation import KVCentres
 from gpu_worker.layers.linear import Linear
 from gpu_worker.layers.norm import RMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding, Rotation
@@ -43,8 +44,9 @@ class Attention(nn.Module):
         self.k_scale = self.v_scale = 1.0      # what an fp8 KV cache divides K and V by
         self.kv_calibration_max: float | None = None   # set: take the scales from the next forward pass
         self.kv_rotation: torch.Tensor | None = None   # fp8 caches: layers/kv_rotation.py
-        self.k_shift: torch.Tensor | None = None       # [kv heads, head_dim] subtracted from keys (same module)
-        self.k_shift_calibration = False              # set: take k_shift from the next forward pass
+        self.kv_centres: KVCentres | None = None       # fp8 caches: centres and gains (same module)
+        self.kv_centres_calibration = False           # set: measure kv_centres in the next forward pass
+        self._kv_sink: torch.Tensor | None = None      # kv_centres.sink() at the current scales
 
     def load(self, param: str, tensor: torch.Tensor, shard: str = "") -> None:
         """The checkpoint's own tensors of this module are the fp8 KV cache scales (`self_attn.k_scale`,
@@ -58,6 +60,7 @@ class Attention(nn.Module):
         batch's largest |K| and |V| at the cache format's largest value (vLLM computes them from its first
         forward pass too), so small entries are not lost to fp8's subnormals."""
         fmax, self.kv_calibration_max = self.kv_calibration_max, None
+        self._kv_sink = None
         self.k_scale = max(float(k.abs().amax()), 1e-6) / fmax
         self.v_scale = max(float(v.abs().amax()), 1e-6) / fmax
 
@@ -72,22 +75,27 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rot.apply(q, k)
-        r = self.kv_rotation
+        r, c = self.kv_rotation, self.kv_centres
         if r is not None:         # the same orthogonal R on q, k and v: the scores and the output are unchanged
-            if self.k_shift_calibration:
-                self.k_shift_calibration = False
-                self.k_shift = None if self.softcap is not None else k.mean(0)
-            if self.k_shift is not None:     # the same vector off every key: each query's scores shift alike
-                k = k - self.k_shift
-            q, k, v = q @ r, k @ r, v @ r
+            if self.kv_centres_calibration:
+                self.kv_centres_calibration = False
+                c = self.kv_centres = KVCentres.measure(q, k, v, shift_keys=self.softcap is None)
+            if c is not None:     # centred, position 0 around its own centres, keys balanced against queries
+                q, k, v = c.apply(q, k, v, rot.first, r)
+            else:
+                q, k, v = q @ r, k @ r, v @ r
         k_cache, v_cache = kv_cache
         if self.kv_calibration_max is not None:
             self._calibrate_kv_scales(k, v)
+        if c is not None and self._kv_sink is None:
+            self._kv_sink = c.sink(r, cache_scale(k_cache.dtype, self.k_scale), cache_scale(v_cache.dtype, self.v_scale))
         backend.write_kv(k, v, k_cache, v_cache, meta, self.k_scale, self.v_scale)
         o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
-                            window=self.window, softcap=self.softcap)
+                            window=self.window, softcap=self.softcap, sink=self._kv_sink)
         if r is not None:
             o = o.reshape(t, self.num_heads, self.head_dim) @ r.T
+            if c is not None:
+                o = c.restore(o)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
