@@ -101,7 +101,8 @@ def hf(eos_model):
 
 def hf_beams(hf, prompt: list[int], k: int, max_tokens: int, lp: float, es, eos: list[int]) -> list[list[int]]:
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        out = hf.generate(torch.tensor([prompt], device=hf.device),
+                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=hf.device),
                           num_beams=k, num_return_sequences=k, do_sample=False, max_new_tokens=max_tokens,
                           length_penalty=lp, early_stopping=es, eos_token_id=eos, pad_token_id=0,
                           temperature=None, top_p=None, top_k=None)

@@ -64,3 +64,18 @@ def test_gguf_kept_quantized_on_cuda(tmp_path):
         assert torch.equal(m.packed.dequantize(), ref[name].weight), name
         x = torch.randn(3, m.packed.shape[1], device="cuda")
         torch.testing.assert_close(m.packed.matmul(x), x @ ref[name].weight.t(), atol=1e-4, rtol=1e-4)
+
+
+def test_beam_search_on_cuda_equals_hugging_face(tmp_path, default_tokenizer):
+    """Beam search through the Triton backend (forks sharing blocks, copy-on-write copies on the GPU)
+    gives Hugging Face's beams on the same GPU, k = 2 and 4, under every length-penalty setting."""
+    assert torch.cuda.is_available(), "this test is for a machine with a GPU"
+    from transformers import AutoModelForCausalLM
+    from loadtest.tiny_model import build_tiny_model
+    from tests.test_beam_search import EOS, SETTINGS, assert_same_beams
+    folder = build_tiny_model(tmp_path, "llama", default_tokenizer, eos_token_id=EOS)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    llm = LLM(str(folder), dtype="float32", device="cuda", attention_backend="triton", num_gpu_blocks=512, block_size=4)
+    stopped = sum(assert_same_beams(llm, hf, k, 14, lp, es) for k in (2, 4) for lp, es in SETTINGS)
+    assert stopped > 0
+    llm.engine.scheduler.kv.check_all_free()
