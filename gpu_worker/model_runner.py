@@ -25,7 +25,7 @@ from gpu_worker import cpu_precision
 from gpu_worker.attention import (FP8_DTYPES, allocate_kv_cache, get_backend, index_copy_rows, kv_block_bytes,
                                   resolve_kv_cache_dtype)
 from gpu_worker.kernels import native
-from gpu_worker.layers.kv_rotation import CALIBRATION_TEXT, kv_rotation
+from gpu_worker.layers.kv_rotation import CALIBRATION_TEXT, KV_SCALE_HEADROOM, kv_rotation
 from gpu_worker.lora import LoRAManager
 from gpu_worker.parallel import tp
 from gpu_worker.quantization.packed import GEMM_MAX_ROWS, PackedWeight
@@ -223,8 +223,11 @@ class ModelRunner:
         layers = [m for m in self.model.modules() if getattr(m, "kv_rotation", None) is not None]
         if not layers:
             return
+        fmax = float(torch.finfo(self.kv_dtype).max)
         for m in layers:
             m.kv_centres_calibration = True
+            if (m.k_scale, m.v_scale) == (1.0, 1.0):      # no checkpoint scales: the same pass sets them
+                m.kv_calibration_max = fmax / KV_SCALE_HEADROOM
         ids = self.source.load_tokenizer().encode(CALIBRATION_TEXT)[:self.max_model_len]
         self._throwaway_step([ids])
         log.info("fp8 KV cache: keys and values centred in %d layers", sum(m.kv_centres is not None for m in layers))

@@ -62,12 +62,11 @@ def test_fp8_engine_variants_agree(variant, fp8_case):
         assert (st.num_swap_preemptions if variant == "swap" else st.num_recompute_preemptions) > 0
 
 
-# Measured here with the rotation (layers/kv_rotation.py): e4m3 247 and e5m2 232 of 256 positions, 96.5% and
-# 90.6%, e4m3 with --calculate-kv-scales 246 (96.1%); without it 94.1%, 92.6% and 95.7%. Over the first 24
-# shared-workload prompts (2,555 positions) e4m3 goes from 93.5% to 94.8%. The issue asks for >= 97% with
-# fp8: not met on this 135M model (e4m3 keeps 3 mantissa bits), so these bounds guard what we have, a little
-# below it.
-TOP1_FLOOR = {("fp8", False): 0.95, ("fp8_e5m2", False): 0.88, ("fp8", True): 0.94}
+# Measured here (2026-12-04) with rotation, centres (position 0 its own), gains and start-up scales
+# (layers/kv_rotation.py): e4m3 248, e5m2 246 and e4m3 with --calculate-kv-scales 248 of 256 positions (96.9%,
+# 96.1%, 96.9%); with the rotation alone they were 247, 232 and 246. The whole-workload figures and #9's 97%
+# are in loadtest/results/fp8_kv_sink_2026-12-04.txt; these bounds guard what we have, a few positions below.
+TOP1_FLOOR = {("fp8", False): 0.955, ("fp8_e5m2", False): 0.945, ("fp8", True): 0.955}
 
 
 @pytest.mark.slow
@@ -90,10 +89,13 @@ def test_fp8_top_token_agreement_with_an_fp32_cache(default_tokenizer, kv_dtype,
     pairs = [(a, b) for ra, rb in zip(top["fp32"], top["fp8"]) for a, b in zip(ra, rb)]
     agree = sum(a == b for a, b in pairs) / len(pairs)
     assert len(pairs) == 8 * 32
+    print(f"{kv_dtype} calculate={calculate}: top-1 agreement {agree:.2%} ({sum(a == b for a, b in pairs)} of {len(pairs)})")
     assert agree >= TOP1_FLOOR[kv_dtype, calculate], f"top-1 agreement {agree:.1%}"
     assert max(abs(a - b) for a, b in zip(lps["fp32"], lps["fp8"])) > 1e-3, "the fp8 cache must really round"
+    # set by the start-up calibration pass (the calibration text's largest entries at a quarter of the
+    # format's range), or with --calculate-kv-scales by the first real step: never left at 1
     scales = [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in fp8.engine.executor.runner.model.layers]
-    assert all((k != 1.0 and v != 1.0) == calculate for k, v in scales)
+    assert all(k != 1.0 and v != 1.0 for k, v in scales)
 
 
 @pytest.mark.slow
