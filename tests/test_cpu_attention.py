@@ -18,14 +18,21 @@ KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, 
 ISAS = [isa for isa, level in native.ISA_LEVELS.items() if level <= native.cpu_isa()]
 
 
-def run(seqs, hq, hkv, head_dim, block_size, kv_dtype, native_on: bool, seed: int = 0, **how) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
+def step(seqs, hq, hkv, head_dim, block_size, kv_dtype, gen: torch.Generator, scale: float):
+    """(meta, k_cache, v_cache, query, key, value) of a random step: the caches hold random entries divided
+    by `scale` in `kv_dtype`, and the step's own key/value are what its slots hold."""
     num_blocks = sum((c + q + block_size - 1) // block_size for c, q in seqs) + 3
     meta = make_meta(seqs, block_size, num_blocks, gen, CPU)
-    k_cache, v_cache = (to_cache(rand((num_blocks, block_size, hkv, head_dim), torch.float32, gen, CPU), kv_dtype, 0.5)
-                        for _ in range(2))
+    k_cache, v_cache = (to_cache(rand((num_blocks, block_size, hkv, head_dim), torch.float32, gen, CPU), kv_dtype,
+                                 scale) for _ in range(2))
     query = rand((sum(q for _, q in seqs), hq, head_dim), torch.float32, gen, CPU)
     key, value = (c.view(-1, hkv, head_dim)[meta.slot_mapping].float() for c in (k_cache, v_cache))
+    return meta, k_cache, v_cache, query, key, value
+
+
+def run(seqs, hq, hkv, head_dim, block_size, kv_dtype, native_on: bool, seed: int = 0, **how) -> torch.Tensor:
+    meta, k_cache, v_cache, query, key, value = step(seqs, hq, hkv, head_dim, block_size, kv_dtype,
+                                                     torch.Generator().manual_seed(seed), 0.5)
     backend = TorchAttentionBackend(native=native_on)
     prepared = backend.prepare(meta)
     assert (prepared.native is not None) == (native_on and any(cpu_attention.takes(q, c + q) for c, q in seqs))
@@ -101,13 +108,8 @@ def test_a_sink_is_added_to_position_0_on_every_path(native_on, kv_dtype, window
     force_isa(isa)
     seqs = [(20, 1), (0, 1), (33, 1), (0, 9), (13, 5), (20, 18), (300, 1)]
     gen = torch.Generator().manual_seed(11)
-    hq, hkv, d, bs = 6, 2, 64, 16
-    num_blocks = sum((c + q + bs - 1) // bs for c, q in seqs) + 3
-    meta = make_meta(seqs, bs, num_blocks, gen, CPU)
-    k_cache, v_cache = (to_cache(rand((num_blocks, bs, hkv, d), torch.float32, gen, CPU), kv_dtype, 1.0)
-                        for _ in range(2))
-    query = rand((sum(q for _, q in seqs), hq, d), torch.float32, gen, CPU)
-    key, value = (c.view(-1, hkv, d)[meta.slot_mapping].float() for c in (k_cache, v_cache))
+    hkv, d = 2, 64
+    meta, k_cache, v_cache, query, key, value = step(seqs, 6, hkv, d, 16, kv_dtype, gen, 1.0)
     sink = 3.0 * rand((2, hkv, d), torch.float32, gen, CPU)
     backend = TorchAttentionBackend(native=native_on)
     got = backend.forward(query, key, value, k_cache, v_cache, backend.prepare(meta), d ** -0.5, window=window,
