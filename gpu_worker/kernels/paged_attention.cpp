@@ -14,7 +14,9 @@
 // block_tables int32 [B][max_blocks]. Query head h reads kv head h / (Hq / Hkv). `scale` multiplies q.k
 // (the caller folds the cache's k scale in); the v scale is applied by the caller. `window` > 0 limits
 // each query to its last `window` keys (its own included: sliding-window layers); `softcap` > 0 caps each
-// score at tanh(s / softcap) * softcap (Gemma 2).
+// score at tanh(s / softcap) * softcap (Gemma 2); `sink`, when not null, [2][Hkv][D] fp32, is added to
+// position 0's key and value as read (an fp8 cache stores that entry around its own centre): a score term
+// q.dk and a weighted dv, so the entries themselves are read as they are.
 //
 // Each entry point takes an `isa` level (2 AVX-512, 1 AVX2+FMA, 0 portable): the same loops compiled
 // for each target (GCC vector types lower to each one's registers), chosen at run time, so every path can
