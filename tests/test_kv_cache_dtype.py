@@ -63,10 +63,10 @@ def test_fp8_engine_variants_agree(variant, fp8_case):
 
 
 # Measured here (2026-12-04) with rotation, centres (position 0 its own), gains and start-up scales
-# (layers/kv_rotation.py): e4m3 248, e5m2 246 and e4m3 with --calculate-kv-scales 248 of 256 positions (96.9%,
-# 96.1%, 96.9%); with the rotation alone they were 247, 232 and 246. The whole-workload figures and #9's 97%
+# (layers/kv_rotation.py): e4m3 245, e5m2 248 and e4m3 with --calculate-kv-scales 248 of 256 positions (95.7%,
+# 96.9%, 96.9%; a 1-ulp variant of the key gain gave 248, 246, 248); with the rotation alone 247, 232, 246. The whole-workload figures and #9's 97%
 # are in loadtest/results/fp8_kv_sink_2026-12-04.txt; these bounds guard what we have, a few positions below.
-TOP1_FLOOR = {("fp8", False): 0.955, ("fp8_e5m2", False): 0.945, ("fp8", True): 0.955}
+TOP1_FLOOR = {("fp8", False): 0.95, ("fp8_e5m2", False): 0.945, ("fp8", True): 0.955}
 
 
 @pytest.mark.slow

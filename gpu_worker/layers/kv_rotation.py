@@ -38,7 +38,7 @@ values and gains 96.7%, 0.0021; with the start-up scales 96.7%, 0.0014 (loadtest
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -77,6 +77,8 @@ class KVCentres:
     v_mean: torch.Tensor
     v_first: torch.Tensor
     gain: torch.Tensor
+    # per (query heads, dtype): query gain [Hq, D], key gain 1 / gain, value centre per query head [Hq, D]
+    _per_call: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @staticmethod
     def measure(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shift_keys: bool = True) -> "KVCentres":
@@ -94,19 +96,19 @@ class KVCentres:
     def apply(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: torch.Tensor,
               r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as the attention and the cache take them; `first` [T] bool: rows at position 0."""
-        q_gain, k_gain = self._gains(q.shape[1], q.dtype)
+        q_gain, k_gain, _ = self._for(q.shape[1], q.dtype)
         at0 = first[:, None, None]
         k = (k - torch.where(at0, self.k_first, self.k_mean).to(k.dtype)) * k_gain
         v = v - torch.where(at0, self.v_first, self.v_mean).to(v.dtype)
         return (q * q_gain) @ r, k @ r, v @ r
 
-    def _gains(self, num_heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(query gain [Hq, D], key gain 1 / gain) in `dtype`, made once: every layer call uses them."""
-        key = (num_heads, dtype)
-        if getattr(self, "_gain_cache", (None,))[0] != key:
-            q_gain = self.gain.to(dtype).repeat_interleave(num_heads // self.gain.shape[0], 0)
-            self._gain_cache = (key, q_gain, (1.0 / self.gain).to(dtype))
-        return self._gain_cache[1], self._gain_cache[2]
+    def _for(self, num_heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The per-call tensors in `dtype`, made once: every layer call of every step uses them."""
+        if self._per_call is None or self._per_call[0] != (num_heads, dtype):
+            group = num_heads // self.gain.shape[0]
+            self._per_call = ((num_heads, dtype), self.gain.to(dtype).repeat_interleave(group, 0),
+                              (1.0 / self.gain).to(dtype), self.v_mean.to(dtype).repeat_interleave(group, 0))
+        return self._per_call[1:]
 
     def sink(self, r: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
         """[2, kv heads, D] (the centres' dtype, fp32 as measured): what a reader adds to position 0's key
@@ -119,4 +121,4 @@ class KVCentres:
 
     def restore(self, o: torch.Tensor) -> torch.Tensor:
         """The attention output o [T, Hq, D], rotated back, plus the value centre its weights dropped."""
-        return o + self.v_mean.to(o.dtype).repeat_interleave(o.shape[1] // self.v_mean.shape[0], 0)
+        return o + self._for(o.shape[1], o.dtype)[2]
