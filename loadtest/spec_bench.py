@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gpu_worker import cpu_precision
 from gpu_worker.kernels import native
 from loadtest.workload import load_workload
@@ -103,16 +105,17 @@ def main() -> None:
     p.add_argument("--shared", action="store_true", help="also the shared 96-request workload at once")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quantization", default=None, help="e.g. none: the default model's weights expanded to fp32")
-    p.add_argument("--speculative-config", type=json.loads, default=default_ngram(),
-                   help=f"JSON (default here {json.dumps(default_ngram())})")
+    ngram = default_ngram()
+    p.add_argument("--speculative-config", type=json.loads, default=ngram, help=f"JSON (default here {json.dumps(ngram)})")
     p.add_argument("--dtype", default="auto", help="the engine's --dtype (float32: the exact, batch-invariant mode)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     # Rows are bit-identical with and without drafts only where a token's result does not depend on its
-    # step's other rows: fp32, or `--dtype auto` without bf16 hardware. In bf16 mode a step beyond the
+    # step's other rows: fp32, or `--dtype auto` without bf16 hardware (bf16 and fp16 are not). In bf16 mode a step beyond the
     # packed kernel's rows (prefill chunks, 64 decodes) runs the bf16 GEMM, and speculation changes which
     # tokens share such steps, so the shared row may differ there (same lengths, counted in `differ`).
-    invariant = args.dtype == "float32" or cpu_precision.bf16_hardware() is None
+    invariant = args.dtype == "float32" or (args.dtype == "auto" and
+                                            cpu_precision.matmul_dtype("auto", torch.device("cpu")) is None)
     results = []
     for rep in range(args.repeats):          # alternate the arms: the machine is shared and noisy
         base, spec = measure(None, args), measure(args.speculative_config, args)
