@@ -106,14 +106,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quantization", default=None, help="e.g. none: the default model's weights expanded to fp32")
     ngram = default_ngram()
-    p.add_argument("--speculative-config", type=json.loads, default=ngram, help=f"JSON (default here {json.dumps(ngram)})")
+    p.add_argument("--speculative-config", type=json.loads, default=ngram,
+                   help=f"JSON (default here {json.dumps(ngram)})")
     p.add_argument("--dtype", default="auto", help="the engine's --dtype (float32: the exact, batch-invariant mode)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     # Rows are bit-identical with and without drafts only where a token's result does not depend on its
-    # step's other rows: fp32, or `--dtype auto` without bf16 hardware (bf16 and fp16 are not). In bf16 mode a step beyond the
-    # packed kernel's rows (prefill chunks, 64 decodes) runs the bf16 GEMM, and speculation changes which
-    # tokens share such steps, so the shared row may differ there (same lengths, counted in `differ`).
+    # step's other rows: fp32, or `--dtype auto` without bf16 hardware (bf16 and fp16 are not). In bf16
+    # mode a step beyond the packed kernel's rows (prefill chunks, 64 decodes) runs the bf16 GEMM, and
+    # speculation changes which tokens share such steps, so the shared row may differ there (same
+    # lengths, counted in `differ`).
     invariant = args.dtype == "float32" or (args.dtype == "auto" and
                                             cpu_precision.matmul_dtype("auto", torch.device("cpu")) is None)
     results = []
