@@ -31,12 +31,13 @@ from pagedserve import LLM, SamplingParams
 
 WORKLOAD = Path(__file__).with_name("spec_workload.jsonl")
 # k drafts make a verifying step of k + 1 rows; the packed kernel runs rows in tiles of 7 on AVX-512 and 5
-# on AVX2 (gpu_worker/kernels/qgemm.cpp), and a step past one tile reads every weight twice. k fills one
-# tile's worth with a row to spare: on the AVX-512 Xeon k = 5 gave 1.80-1.86x at one stream against
-# 1.61-1.70x for k = 4 and 1.74-1.82x for k = 6 (results/spec_bench_2026-12-05_k5.txt); AVX2 keeps k = 4.
+# on AVX2 (gpu_worker/kernels/qgemm.cpp), and a step past one tile reads every weight twice, so k fills
+# one tile: 6 on AVX-512, 4 on AVX2. Lookup from 1 token: a short match drafts only n + 1 tokens
+# (gpu_worker/spec_decode/ngram.py), so the one-token matches that find what a 2-token minimum misses
+# cost one or two rows, not k (results/spec_bench_2026-12-05b.txt).
 def default_ngram() -> dict:
-    k = 5 if native.cpu_isa() >= 2 else 4
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    k = 6 if native.cpu_isa() >= 2 else 4
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 8}
 
 
 def grounded_prompts(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:

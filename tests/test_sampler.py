@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
-from gpu_worker.sampler import SamplingBatch, apply_penalties, build_sampling_batch, prompt_logprobs, sample
+from gpu_worker.sampler import (SamplingBatch, apply_penalties, build_sampling_batch, prompt_logprobs, row_argmax,
+                                sample)
 from gpu_worker.step_inputs import SequenceState
 
 pytestmark = pytest.mark.unit
@@ -92,6 +93,20 @@ def test_all_greedy_is_rowwise_argmax() -> None:
     for r in range(8):
         row = logits[r].tolist()
         assert ids[r].item() == max(range(VOCAB), key=lambda i: row[i])
+
+
+def test_row_argmax_takes_the_first_maximum_like_argmax() -> None:
+    """Ties (integer logits over a few values), -inf rows, NaN rows and a vocabulary-sized row: the index
+    argmax gives, the first maximum, because a greedy token must not depend on which of the two ran."""
+    g = torch.Generator().manual_seed(1)
+    for rows, vocab in ((7, 49152), (3, 5), (1, 1), (5, 300)):
+        x = torch.randint(0, 3, (rows, vocab), generator=g).float()
+        x[0] = NEG_INF
+        if rows > 2:
+            x[2, vocab // 2] = float("nan")
+        assert torch.equal(row_argmax(x), x.argmax(-1))
+        first_max = [max(range(vocab), key=lambda i: (x[r, i].item(), -i)) for r in range(1, rows) if r != 2]
+        assert [row_argmax(x)[r].item() for r in range(1, rows) if r != 2] == first_max
 
 
 def test_greedy_rows_stay_greedy_inside_a_sampled_batch() -> None:

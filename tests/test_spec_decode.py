@@ -5,6 +5,8 @@ own KV cache checked against a fresh forward, the target distribution kept for s
 one-hot and with spread-out draft distributions), seeded reproducibility, and the server path."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from common.speculative import SpeculativeConfig
@@ -93,6 +95,33 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
     assert propose_ngram([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 2, 3, 2) == [9, 2]      # longer match wins
     assert propose_ngram([1, 2, 3, 4], 1, 3, 2) == []                            # nothing repeats
     assert propose_ngram([5], 1, 3, 2) == []
+
+
+@pytest.mark.unit
+def test_ngram_drafts_at_most_one_more_than_the_match() -> None:
+    # a one-token match drafts 2 of the 5 allowed, a two-token match 3, a long match all 5
+    assert propose_ngram([7, 1, 2, 3, 4, 5, 6, 1], 1, 4, 5) == [2, 3]
+    assert propose_ngram([1, 2, 3, 4, 5, 6, 7, 1, 2], 1, 4, 5) == [3, 4, 5]
+    assert propose_ngram([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4], 1, 4, 5) == [5, 6, 7, 8, 9]
+    assert propose_ngram([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4], 1, 4, 2) == [5, 6]     # k still caps it
+
+
+@pytest.mark.unit
+def test_ngram_lookup_matches_a_plain_search() -> None:
+    """The candidate-narrowing search against the definition, on short random sequences over small
+    vocabularies (many repeats, overlaps and ties)."""
+    def plain(toks: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+        for n in range(min(max_n, len(toks) - 1), min_n - 1, -1):
+            for s in range(len(toks) - 1 - n, -1, -1):          # latest occurrence first
+                if toks[s:s + n] == toks[len(toks) - n:]:
+                    return toks[s + n:s + n + min(k, n + 1)]
+        return []
+    rng = random.Random(0)
+    for _ in range(3000):
+        toks = [rng.randrange(rng.randint(1, 5)) for _ in range(rng.randint(0, 30))]
+        min_n = rng.randint(1, 4)
+        max_n, k = rng.randint(min_n, 9), rng.randint(1, 8)
+        assert propose_ngram(toks, min_n, max_n, k) == plain(toks, min_n, max_n, k), (toks, min_n, max_n, k)
 
 
 @pytest.mark.unit

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.sampler import Samples
+from gpu_worker.sampler import Samples, row_argmax
 from gpu_worker.step_inputs import SequenceState
 
 VERIFY_SALT = 2
@@ -67,7 +67,7 @@ def _rejection_sample(s: Samples, spread: list[tuple[SequenceState, int]]) -> tu
     residual = (p - q).clamp_min_(0)
     empty = residual.sum(-1, keepdim=True) <= 0        # p == q up to rounding: rejection is (nearly) impossible
     residual = torch.where(empty, p, residual)
-    fixed = (residual / noise).argmax(-1)
+    fixed = row_argmax(residual / noise)
     ids = s.ids.clone()
     ids[rows] = torch.where(accept, drafts, fixed)
     flags, out, i = accept.tolist(), {}, 0
