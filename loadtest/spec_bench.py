@@ -32,9 +32,9 @@ from pagedserve import LLM, SamplingParams
 WORKLOAD = Path(__file__).with_name("spec_workload.jsonl")
 # k drafts make a verifying step of k + 1 rows; the packed kernel runs rows in tiles of 7 on AVX-512 and 5
 # on AVX2 (gpu_worker/kernels/qgemm.cpp), and a step past one tile reads every weight twice, so k fills
-# one tile: 6 on AVX-512, 4 on AVX2. Lookup from 1 token: a short match drafts only n + 1 tokens
-# (gpu_worker/spec_decode/ngram.py), so the one-token matches that find what a 2-token minimum misses
-# cost one or two rows, not k (results/spec_bench_2026-12-05b.txt).
+# one tile: 6 on AVX-512, 4 on AVX2. Lookup from 1 token: a one-token match drafts one token
+# (gpu_worker/spec_decode/ngram.py), so the matches that a 2-token minimum misses cost one row, not k
+# (results/spec_bench_2026-12-05b.txt; loadtest/spec_replay.py compares the rules).
 def default_ngram() -> dict:
     k = 6 if native.cpu_isa() >= 2 else 4
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 8}

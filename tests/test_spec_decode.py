@@ -98,12 +98,11 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
 
 
 @pytest.mark.unit
-def test_ngram_drafts_at_most_one_more_than_the_match() -> None:
-    # a one-token match drafts 2 of the 5 allowed, a two-token match 3, a long match all 5
-    assert propose_ngram([7, 1, 2, 3, 4, 5, 6, 1], 1, 4, 5) == [2, 3]
-    assert propose_ngram([1, 2, 3, 4, 5, 6, 7, 1, 2], 1, 4, 5) == [3, 4, 5]
-    assert propose_ngram([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4], 1, 4, 5) == [5, 6, 7, 8, 9]
-    assert propose_ngram([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4], 1, 4, 2) == [5, 6]     # k still caps it
+def test_ngram_drafts_one_token_after_a_one_token_match() -> None:
+    assert propose_ngram([7, 1, 2, 3, 4, 5, 6, 1], 1, 4, 5) == [2]                # only "1" matched
+    assert propose_ngram([1, 2, 3, 4, 5, 6, 7, 1, 2], 1, 4, 5) == [3, 4, 5, 6, 7]  # two tokens: all k
+    assert propose_ngram([1, 2, 3, 4, 5, 6, 7, 1, 2], 2, 4, 5) == [3, 4, 5, 6, 7]
+    assert propose_ngram([1, 2, 3, 4, 5, 6, 7, 1, 2], 1, 4, 3) == [3, 4, 5]        # k caps it
 
 
 @pytest.mark.unit
@@ -114,7 +113,7 @@ def test_ngram_lookup_matches_a_plain_search() -> None:
         for n in range(min(max_n, len(toks) - 1), min_n - 1, -1):
             for s in range(len(toks) - 1 - n, -1, -1):          # latest occurrence first
                 if toks[s:s + n] == toks[len(toks) - n:]:
-                    return toks[s + n:s + n + min(k, n + 1)]
+                    return toks[s + n:s + n + (1 if n == 1 else k)]
         return []
     rng = random.Random(0)
     for _ in range(3000):

@@ -5,12 +5,13 @@ quoting, continuing lists).
 The longest suffix (prompt_lookup_max down to prompt_lookup_min) that occurs earlier wins; among its
 occurrences the most recent one, whose continuation is most likely to be the current one.
 
-A match of n tokens drafts at most n + 1 (and at most num_speculative_tokens): a short match is weak
-evidence that the output is copying, and every draft is a row the verifying step pays for whether it is
-accepted or not. On the grounded benchmark's greedy outputs, replayed through the proposer with a draft
-row costing 0.07-0.13 of a decode step (the range measured on 2 Xeon cores), this rule with lookup 1..8
-and k = 6 needs 3-4% less step time than k drafts from every match with lookup 2..5 and k = 5, and
-more than drafting k from every match with lookup 1..8 (loadtest/results/spec_bench_2026-12-05b.txt).
+A one-token match drafts one token (longer matches up to num_speculative_tokens, as in vLLM): with
+prompt_lookup_min 1 it finds a continuation where a 2-token minimum finds none, but a lone token is weak
+evidence that the output is copying, and each draft is a row the verifying step pays for whether it is
+accepted or not. Replayed over the grounded benchmark's greedy outputs (loadtest/spec_replay.py), with a
+draft row costing 0.10 of a decode step, k = 6 and lookup 1..8 then need 2.8% less step time than k
+drafts from every match, and 2.7% less than vLLM's usual lookup 2..5 with k = 5
+(loadtest/results/spec_bench_2026-12-05b.txt). Lookups from 2 tokens are unchanged.
 """
 from __future__ import annotations
 
@@ -31,13 +32,25 @@ class NgramProposer(Proposer):
 
 
 def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """Up to min(k, n + 1) tokens that followed the latest earlier occurrence of the longest matching
-    suffix, n tokens long.
+    """The tokens that followed the latest earlier occurrence of the longest matching suffix, n tokens
+    long: up to k of them, one after a one-token match."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    start, n = longest_match(tokens, min_n, max_n)
+    return tokens[start:start + draft_limit(n, k)].tolist() if n else []
+
+
+def draft_limit(n: int, k: int) -> int:
+    """How many tokens an n-token match drafts (see the module's docstring)."""
+    return 1 if n == 1 else k
+
+
+def longest_match(tokens: np.ndarray, min_n: int, max_n: int) -> tuple[int, int]:
+    """(where the continuation starts, n) for the latest earlier occurrence of the longest suffix of
+    `tokens` of min_n..max_n tokens; (0, 0) when none occurs.
 
     One pass finds where the last token occurred before; each further round keeps those of them whose
     match also reaches one token further back, so a step costs one scan of the sequence plus rounds over
-    ever fewer candidates, not a scan per n (a quarter of the time at 500 tokens and lookup 1..8)."""
-    tokens = np.asarray(token_ids, dtype=np.int64)
+    ever fewer candidates, not a scan per n (12 against 252 us at 500 tokens and lookup 1..8)."""
     last = len(tokens) - 1
     ends = np.flatnonzero(tokens[:last] == tokens[last]) if last > 0 else tokens[:0]   # where matches end
     n = 1
@@ -48,6 +61,5 @@ def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[
             break
         ends, n = longer, n + 1
     if not ends.size or n < min_n:
-        return []
-    start = int(ends[-1]) + 1
-    return tokens[start:start + min(k, n + 1)].tolist()
+        return 0, 0
+    return int(ends[-1]) + 1, n
