@@ -10,9 +10,11 @@ Workloads:
   * shared — the shared 96-request workload (greedy, ignore_eos) submitted at once with max_num_seqs 64, so
     64 run and the queue refills them (concurrency 64): the batch where speculation must cost nothing
     (``--shared``).
-Both arms give identical greedy outputs (asserted), so the ratio compares the same work; the one
-exception is the shared row in `--dtype auto` on bf16 hardware, which is not batch-invariant (see main):
-there the lengths are asserted equal and the `differ` column counts the outputs that changed.
+The two arms are two engines side by side that run each wave in turn (which first alternates), so the
+machine's drift falls on both alike. Both give identical greedy outputs (asserted), so the ratio compares
+the same work; the one exception is the shared row in `--dtype auto` on bf16 hardware, which is not
+batch-invariant (see main): there the lengths are asserted equal and the `differ` column counts the
+outputs that changed.
 """
 from __future__ import annotations
 
@@ -70,20 +72,33 @@ def grounded_llm(spec: dict | None, threads: int | None = None, quantization: st
     return llm, prompts, params
 
 
-def measure(spec: dict | None, args: argparse.Namespace) -> dict[str, Any]:
-    llm, prompts, params = grounded_llm(spec, args.threads, args.quantization, args.dtype)
-    rows: dict[str, Any] = {}
-    for c in args.concurrency:
-        before = _spec_counts(llm)
-        wall, tokens = run_waves(llm, prompts, params, c)
-        rows[f"grounded-c{c}"] = _row(wall, tokens, before, _spec_counts(llm))
+def measure(spec: dict | None, args: argparse.Namespace, rep: int = 0) -> dict[str, tuple[dict, dict]]:
+    """Each row's (without, with) speculation. Two engines stand side by side and run every wave in turn,
+    which of them first alternating (from `rep` on), so that the machine's drift from wave to wave falls
+    on both arms alike: timing whole arms one after the other moved the c=1 ratio by +-6% between repeats."""
+    engines = [grounded_llm(s, args.threads, args.quantization, args.dtype)[0] for s in (None, spec)]
+    prompts, params = grounded_prompts(engines[0])
+    rows = {f"grounded-c{c}": paired(engines, prompts, params, c, rep) for c in args.concurrency}
     if args.shared:
         reqs = load_workload()
-        before = _spec_counts(llm)
         sp = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
-        wall, tokens = run_waves(llm, [r.prompt_token_ids for r in reqs], sp, len(reqs))
-        rows["shared-c64"] = _row(wall, tokens, before, _spec_counts(llm))
+        rows["shared-c64"] = paired(engines, [r.prompt_token_ids for r in reqs], sp, len(reqs), rep)
+    for llm in engines:
+        llm.shutdown()
     return rows
+
+
+def paired(engines: list[LLM], prompts: list[list[int]], params: list[SamplingParams], c: int,
+           start: int) -> tuple[dict, dict]:
+    """The rows of both engines over the requests in waves of c, each wave run by both in turn."""
+    walls, outs = [0.0, 0.0], [[], []]
+    before = _spec_counts(engines[1])
+    for w, i in enumerate(range(0, len(prompts), c)):
+        for arm in ((0, 1) if (w + start) % 2 == 0 else (1, 0)):
+            wall, tokens = run_waves(engines[arm], prompts[i:i + c], params[i:i + c], c)
+            walls[arm] += wall
+            outs[arm] += tokens
+    return _row(walls[0], outs[0], (0, 0, 0), (0, 0, 0)), _row(walls[1], outs[1], before, _spec_counts(engines[1]))
 
 
 def _spec_counts(llm: LLM) -> tuple[int, int, int]:
@@ -120,10 +135,8 @@ def main() -> None:
     invariant = args.dtype == "float32" or (args.dtype == "auto" and
                                             cpu_precision.matmul_dtype("auto", torch.device("cpu")) is None)
     results = []
-    for rep in range(args.repeats):          # alternate the arms: the machine is shared and noisy
-        base, spec = measure(None, args), measure(args.speculative_config, args)
-        for name in base:
-            b, s = base[name], spec[name]
+    for rep in range(args.repeats):          # the machine is shared and noisy: repeat the rows
+        for name, (b, s) in measure(args.speculative_config, args, rep).items():
             differ = sum(x != y for x, y in zip(b["outputs"], s["outputs"]))
             assert [len(x) for x in b["outputs"]] == [len(y) for y in s["outputs"]], f"{name}: lengths differ"
             assert differ == 0 or (not invariant and name == "shared-c64"), f"{name}: outputs differ with speculation"

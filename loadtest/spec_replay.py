@@ -24,11 +24,12 @@ from gpu_worker.spec_decode.ngram import draft_limit, longest_match
 from loadtest.spec_bench import grounded_llm, run_waves
 
 # (name, k, lookup min, lookup max, drafts after an n-token match)
-EVERY, OURS = (lambda n, k: k), draft_limit
+EVERY, OURS, N_PLUS_1 = (lambda n, k: k), draft_limit, (lambda n, k: min(k, n + 1))
 RULES = [("k4 2..5, k from every match", 4, 2, 5, EVERY), ("k5 2..5, k from every match", 5, 2, 5, EVERY),
          ("k5 1..8, k from every match", 5, 1, 8, EVERY), ("k6 1..8, k from every match", 6, 1, 8, EVERY),
          ("k5 1..8, 1 after a 1-match", 5, 1, 8, OURS), ("k6 1..8, 1 after a 1-match", 6, 1, 8, OURS),
-         ("k8 1..8, 1 after a 1-match", 8, 1, 8, OURS), ("k6 1..8, n + 1 after n", 6, 1, 8, lambda n, k: min(k, n + 1))]
+         ("k8 1..8, 1 after a 1-match", 8, 1, 8, OURS), ("k6 1..8, n + 1 after n", 6, 1, 8, N_PLUS_1),
+         ("k5 2..5, n + 1 after n", 5, 2, 5, N_PLUS_1)]
 
 def replay(prompts: list[list[int]], outputs: list[list[int]], k: int, min_n: int, max_n: int, limit,
            row_cost: float, tile_cost: float, tile: int) -> tuple[float, int, float]:
