@@ -9,8 +9,8 @@ A one-token match drafts one token (longer matches up to num_speculative_tokens,
 prompt_lookup_min 1 it finds a continuation where a 2-token minimum finds none, but a lone token is weak
 evidence that the output is copying, and each draft is a row the verifying step pays for whether it is
 accepted or not. Replayed over the grounded benchmark's greedy outputs (loadtest/spec_replay.py), with a
-draft row costing 0.10 of a decode step, k = 6 and lookup 1..8 then need 2.8% less step time than k
-drafts from every match, and 2.7% less than vLLM's usual lookup 2..5 with k = 5
+draft row costing 0.10 of a decode step, k = 6 and lookup 1..8 then need 4.5% less step time than k drafts
+from every match, and 2.7% less than vLLM's usual lookup 2..5 with k = 5
 (loadtest/results/spec_bench_2026-12-05b.txt). Lookups from 2 tokens are unchanged.
 """
 from __future__ import annotations
