@@ -127,8 +127,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
         packed = getattr(m, "packed", None)
         if packed is not None:
             tensors += packed.tensors
-        for t in tensors:
-            seen[t.data_ptr()] = t.numel() * t.element_size()
+        for t in tensors:       # a prepacked (mkldnn) tensor has no data pointer; it is its own storage
+            seen[id(t) if t.is_mkldnn else t.data_ptr()] = t.numel() * t.element_size()
     return sum(seen.values())
 
 

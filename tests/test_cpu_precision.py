@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from gpu_worker import cpu_precision
-from gpu_worker.layers.linear import Linear
+from gpu_worker.layers.linear import Linear, low_precision_linear, prepack_bf16
 from gpu_worker.quantization.packed import GEMM_MAX_ROWS
 from gpu_worker.kernels import native
 from tests.gguf_files import gguf_tensor
@@ -76,13 +76,40 @@ def test_packed_weights_keep_the_kernel_for_small_steps_and_bf16_beyond():
     small = pw.matmul(x[:4])
     pw.keep_expanded(torch.bfloat16)
     assert pw.expanded is not None and pw.expanded.dtype == torch.bfloat16
-    assert pw.expanded.data_ptr() in {t.data_ptr() for t in pw.tensors}     # counted as resident weights
+    assert any(t is pw.expanded for t in pw.tensors)      # counted as resident weights
     if native.available():
         assert torch.equal(pw.matmul(x[:4]), small)      # the native kernel's steps are untouched
     got = pw.matmul(x)
     assert got.dtype == torch.float32
     err = _rel_err(got, before)
     assert 1e-5 < err < 2e-2, err
+
+
+@pytest.mark.unit
+def test_a_prepacked_bf16_weight_gives_the_plain_weights_products():
+    """Prepacking changes where oneDNN finds the weight, not the product: at row counts on both sides of
+    the packed kernel's limit, and with a bias, the result is the plain bf16 weight's within fp32
+    accumulation order; other dtypes come back untouched, and the resident-bytes count sees it."""
+    from gpu_worker.weight_loader import weight_bytes
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 160, generator=g).bfloat16()
+    bias = torch.randn(96, generator=g)
+    packed = prepack_bf16(w)
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert packed is w
+        return
+    assert packed.is_mkldnn and packed.dtype == torch.bfloat16 and packed.shape == w.shape
+    for rows in (1, 7, 33, 300):
+        x = torch.randn(rows, 160, generator=g)
+        want = low_precision_linear(x, w, bias)
+        got = low_precision_linear(x, packed, bias)
+        assert got.dtype == torch.float32 and got.shape == (rows, 96)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    fp32 = torch.randn(8, 8)
+    assert prepack_bf16(fp32) is fp32
+    layer = torch.nn.Module()
+    layer.packed = type("P", (), {"tensors": (packed,)})()
+    assert weight_bytes(layer) == 96 * 160 * 2
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from gpu_worker.kernels import native
-from gpu_worker.layers.linear import low_precision_linear
+from gpu_worker.layers.linear import low_precision_linear, prepack_bf16
 
 # Per native ISA level, the largest step the native kernel runs (loadtest/qgemm_bench.py: where `direct` and
 # `expand+gemm` cross). AVX2 (EPYC, 2 threads): direct wins up to 28-40 rows, 40 keeps a speculative step
@@ -83,7 +83,7 @@ class PackedWeight:
     bits: int
     group: int
     perm: torch.Tensor | None = None    # int64 [K]: the input order of the stored columns (GroupQuant.perm)
-    expanded: torch.Tensor | None = None    # CPU: the weights in bf16 for steps beyond the native kernel's rows
+    expanded: torch.Tensor | None = None    # CPU: bf16, prepacked, for steps beyond the native kernel's rows
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -177,7 +177,7 @@ class PackedWeight:
         (gpu_worker/cpu_precision.py). The packed copy stays for the small steps, where reading half a
         byte a weight is the win. A table shared by the embedding and the lm_head is expanded once."""
         if self.q.device.type == "cpu" and (self.expanded is None or self.expanded.dtype != dtype):
-            self.expanded = self._dequantize_fast(native.library()).to(dtype)
+            self.expanded = prepack_bf16(self._dequantize_fast(native.library()).to(dtype))
 
     def _native_gemm(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q, scale, offset, n, group, bits = self._call
