@@ -8,9 +8,10 @@ bf16 is emulated and slower than fp32, so fp32 stays.
 
 The fast mode keeps activations, norms, rope, softmax and sampling in fp32 (elementwise bf16 on the CPU
 is slower: a single-stream decode step took 15.1 ms all-bf16 against 13.1 ms in fp32) and gives the
-matmuls bf16 weights: plain weights are held in bf16, and packed (GGUF, AWQ, GPTQ) weights keep their packed copy for the native kernel's
-small steps and gain a bf16 expansion for steps beyond it (more memory: 2 bytes a weight); the KV
-cache's auto dtype becomes bf16. `--dtype float32` turns all of it off: the exact mode that the
+matmuls bf16 weights: plain weights are held in bf16, and packed (GGUF, AWQ, GPTQ) weights keep their
+packed copy for the native kernel's small steps and gain a bf16 expansion for steps beyond it (more
+memory: 2 bytes a weight), prepacked in oneDNN's layout (gpu_worker/layers/linear.py: prepack_bf16);
+the KV cache's auto dtype becomes bf16. `--dtype float32` turns all of it off: the exact mode that the
 HF-equality tests use. Its quality against fp32 is measured by loadtest/quality.py (top-1 agreement
 98.3% on the shared workload). A token's result depends on which rows shared its steps (as on a GPU):
 greedy outputs are not batch-invariant in this mode.
