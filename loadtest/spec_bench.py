@@ -37,8 +37,13 @@ WORKLOAD = Path(__file__).with_name("spec_workload.jsonl")
 # one tile: 6 on AVX-512, 4 on AVX2. Lookup from 1 token: a one-token match drafts one token
 # (gpu_worker/spec_decode/ngram.py), so the matches that a 2-token minimum misses cost one row, not k
 # (results/spec_bench_2026-12-05b.txt; loadtest/spec_replay.py compares the rules).
+def row_tile() -> int:
+    """Rows the packed kernel runs in one pass here (tile_rows in gpu_worker/kernels/qgemm.cpp)."""
+    return 7 if native.cpu_isa() >= 2 else 5
+
+
 def default_ngram() -> dict:
-    k = 6 if native.cpu_isa() >= 2 else 4
+    k = row_tile() - 1
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 8}
 
 
@@ -76,8 +81,9 @@ def measure(spec: dict | None, args: argparse.Namespace, rep: int = 0) -> dict[s
     """Each row's (without, with) speculation. Two engines stand side by side and run every wave in turn,
     which of them first alternating (from `rep` on), so that the machine's drift from wave to wave falls
     on both arms alike: timing whole arms one after the other moved the c=1 ratio by +-6% between repeats."""
-    engines = [grounded_llm(s, args.threads, args.quantization, args.dtype)[0] for s in (None, spec)]
-    prompts, params = grounded_prompts(engines[0])
+    (base, prompts, params), (speculating, _, _) = (grounded_llm(s, args.threads, args.quantization, args.dtype)
+                                                    for s in (None, spec))
+    engines = [base, speculating]
     rows = {f"grounded-c{c}": paired(engines, prompts, params, c, rep) for c in args.concurrency}
     if args.shared:
         reqs = load_workload()

@@ -19,9 +19,8 @@ import argparse
 
 import numpy as np
 
-from gpu_worker.kernels import native
 from gpu_worker.spec_decode.ngram import draft_limit, longest_match
-from loadtest.spec_bench import grounded_llm, run_waves
+from loadtest.spec_bench import grounded_llm, row_tile, run_waves
 
 # (name, k, lookup min, lookup max, drafts after an n-token match)
 EVERY, OURS, N_PLUS_1 = (lambda n, k: k), draft_limit, (lambda n, k: min(k, n + 1))
@@ -30,6 +29,7 @@ RULES = [("k4 2..5, k from every match", 4, 2, 5, EVERY), ("k5 2..5, k from ever
          ("k5 1..8, 1 after a 1-match", 5, 1, 8, OURS), ("k6 1..8, 1 after a 1-match", 6, 1, 8, OURS),
          ("k8 1..8, 1 after a 1-match", 8, 1, 8, OURS), ("k6 1..8, n + 1 after n", 6, 1, 8, N_PLUS_1),
          ("k5 2..5, n + 1 after n", 5, 2, 5, N_PLUS_1)]
+
 
 def replay(prompts: list[list[int]], outputs: list[list[int]], k: int, min_n: int, max_n: int, limit,
            row_cost: float, tile_cost: float, tile: int) -> tuple[float, int, float]:
@@ -56,7 +56,7 @@ def main() -> None:
     args = p.parse_args()
     llm, prompts, params = grounded_llm(None)
     _, outputs = run_waves(llm, prompts, params, 1)
-    tile = 7 if native.cpu_isa() >= 2 else 5
+    tile = row_tile()
     print(f"{sum(len(o) for o in outputs)} output tokens over {len(prompts)} requests; row tile {tile}")
     print(f"{'rule':<31} {'steps':>5} {'accept':>7} " + " ".join(f"{'row ' + str(c):>9}" for c in args.row_cost))
     for name, k, lo, hi, limit in RULES:

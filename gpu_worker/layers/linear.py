@@ -75,16 +75,16 @@ def low_precision_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return y if bias is None else y + bias.to(x.dtype)
 
 
-# The row count oneDNN lays a prepacked weight out for (the default token budget); the products it gives
-# were identical to the plain weight's at 33-512 rows (a hint of 1 picks another kernel, whose were not).
+# The row count oneDNN lays a prepacked weight out for (the default token budget); its products equalled
+# the plain weight's at 33-64 rows, and at 348-512 came in another summation order for some shapes.
 PREPACK_ROWS = 512
 
 
 def prepack_bf16(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 weight in oneDNN's blocked layout, made once, for low_precision_linear: on a plain weight
-    oneDNN reorders it at every call, which was 30% of the linear time of a 64-row step (SmolLM2's 120
-    decoder products, 41.0 against 28.8 ms) and 25% at 348 rows (2-core Xeon, torch 2.13;
-    loadtest/bf16_prepack_bench.py). Any other weight, or a torch without oneDNN bf16, gets the weight
+    oneDNN reorders it at every call: SmolLM2's 120 decoder products ran 1.32-1.39x faster prepacked at
+    33-64 rows (a batch of decodes), 1.00x at 348 and 0.94x at 512 (prefill chunks; 2-core Xeon, torch
+    2.13, loadtest/bf16_prepack_bench.py). Any other weight, or a torch without oneDNN bf16, gets the weight
     back as it is. The result is opaque: only low_precision_linear reads it."""
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 or \
             not torch.ops.mkldnn._is_mkldnn_bf16_supported():
