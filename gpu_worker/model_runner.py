@@ -78,6 +78,9 @@ class ModelRunner:
         self.matmul_dtype = cpu_precision.matmul_dtype(config.dtype, self.device)
         # auto: the model's dtype, or bf16 with bf16 matmuls (half the bytes each attention reads)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.matmul_dtype or self.dtype)
+        if self.device.type == "cpu" and self.kv_dtype == torch.bfloat16 and native.attention_isa() == native.AMX:
+            log.info("bf16 KV cache: decode and verify attention on AMX-BF16 tiles (queries and weights rounded "
+                     "to bf16; PAGEDSERVE_CPU_ISA=avx512 keeps them fp32)")
         t0 = time.perf_counter()
         self.model = load_model(self.source, self.model_config, self.dtype, self.device, self.max_model_len,
                                 config.quantization, config.load_format, self.matmul_dtype)

@@ -1,9 +1,10 @@
 """Kernel microbenchmark: CPU paged attention, the native kernel against the torch backend's SDPA path.
 
     python -m loadtest.attention_bench [--lens 128,512,2048] [--runs 1,5,9] [--batch 1,8] [--repeats 5]
-                                       [--kv-dtype float32]
+                                       [--kv-dtype float32] [--layers 30]
 
-SmolLM2-135M's attention shape (9 query heads over 3 kv heads of 64), a cache (fp32 unless --kv-dtype) in blocks of 16
+SmolLM2-135M's attention shape (9 query heads over 3 kv heads of 64), a cache (fp32 unless --kv-dtype; one per
+layer with --layers) in blocks of 16
 laid out in random order. Each row is one layer's attention for `batch` sequences of `len` keys, each
 running `run` query tokens (1: decodes; 5 and 9: verifying 4 and 8 drafted tokens). Times are medians of
 alternated repeats; the torch path is what runs without the native library (and the reference its tests
@@ -24,21 +25,24 @@ from tests.attention_cases import make_meta, rand
 HQ, HKV, D, BLOCK = 9, 3, 64, 16
 
 
-def case(length: int, run: int, batch: int, kv_dtype: torch.dtype = torch.float32):
+def case(length: int, run: int, batch: int, kv_dtype: torch.dtype = torch.float32, layers: int = 1):
+    """(meta, query, caches): `layers` (k, v) cache pairs, as a step's layers each have their own."""
     gen = torch.Generator().manual_seed(0)
     seqs = [(length - run, run)] * batch
     num_blocks = batch * (-(-length // BLOCK)) + 2
     meta = make_meta(seqs, BLOCK, num_blocks, gen, torch.device("cpu"))
-    k_cache, v_cache = (rand((num_blocks, BLOCK, HKV, D), torch.float32, gen).to(kv_dtype) for _ in range(2))
+    caches = [tuple(rand((num_blocks, BLOCK, HKV, D), torch.float32, gen).to(kv_dtype) for _ in range(2))
+              for _ in range(layers)]
     query = rand((batch * run, HQ, D), torch.float32, gen)
-    return meta, query, k_cache, v_cache
+    return meta, query, caches
 
 
-def time_calls(backend: TorchAttentionBackend, meta, query, k_cache, v_cache, calls: int) -> float:
+def time_calls(backend: TorchAttentionBackend, meta, query, caches, calls: int) -> float:
     prepared = backend.prepare(meta)         # once per step, as the model runner does; layers reuse it
     key = value = torch.empty(0)
     t0 = time.perf_counter()
-    for _ in range(calls):
+    for i in range(calls):
+        k_cache, v_cache = caches[i % len(caches)]
         backend.forward(query, key, value, k_cache, v_cache, prepared, D ** -0.5)
     return (time.perf_counter() - t0) / calls
 
@@ -52,6 +56,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--calls", type=int, default=30, help="layer calls per timing (a 30-layer step)")
+    p.add_argument("--layers", type=int, default=1,
+                   help="distinct caches the calls cycle through: 30 streams a decode step's caches from memory, "
+                        "as the engine does; 1 keeps a large batch's cache in the last-level cache")
     args = p.parse_args()
     if not native.available():
         raise SystemExit("the native kernels are not built: run scripts/setup.sh")
@@ -60,7 +67,7 @@ def main() -> None:
     for batch in args.batch:
         for length in args.lens:
             for run in args.runs:
-                c = case(length, run, batch, getattr(torch, args.kv_dtype))
+                c = case(length, run, batch, getattr(torch, args.kv_dtype), args.layers)
                 ways = {"native": TorchAttentionBackend(native=True), "torch": TorchAttentionBackend(native=False)}
                 times: dict[str, list[float]] = {w: [] for w in ways}
                 for _ in range(args.repeats):

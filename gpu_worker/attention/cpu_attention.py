@@ -4,7 +4,9 @@ and for short query runs behind a context (speculative verification, small prefi
 The torch backend otherwise gathers each sequence's blocks into a copy and runs a masked SDPA, per
 layer: at a few sequences those fixed costs are most of the attention time. The kernel reads K/V in
 place through the block tables, in one call per layer for every such sequence of the step, and reads
-every cache dtype the engine allocates (fp32, bf16, fp16, fp8 e4m3/e5m2).
+every cache dtype the engine allocates (fp32, bf16, fp16, fp8 e4m3/e5m2). A bf16 cache on a CPU with
+AMX-BF16 runs on the tiles (native.attention_isa): 1.46-1.77x for verification runs of 7 tokens, the same
+as the vector loops for decodes (loadtest/results/attention_amx_2026-12-05.txt).
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, nr
     rc = native.library().psq_paged_attention(
         q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KV_DTYPE_CODES[k_cache.dtype], nr.tables.data_ptr(),
         nr.tables.shape[1], nr.lens.data_ptr(), nr.q_start.data_ptr(), nr.lens.shape[0], hq, hkv, d, bs, scale,
-        out.data_ptr(), window or 0, softcap or 0.0, None if sink is None else sink.data_ptr(), native.cpu_isa())
+        out.data_ptr(), window or 0, softcap or 0.0, None if sink is None else sink.data_ptr(), native.attention_isa())
     if rc != 0:
         raise ValueError(f"the native attention kernel cannot take {hq} query heads over {hkv} kv heads")
     return out if q.dtype == torch.float32 else out.to(q.dtype)

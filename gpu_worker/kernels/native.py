@@ -26,8 +26,9 @@ HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "qgemm.cpp", HERE / "paged_attention.cpp", HERE / "rms_norm.cpp")
 HEADERS = (HERE / "fp8.h",)
 LIBRARY = HERE / "_build" / "libpsq.so"
-ABI_VERSION = 7
-ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}
+ABI_VERSION = 8
+ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}     # the levels every kernel has
+AMX = 3    # above avx512, the attention kernel's own: AMX-BF16 tiles for bf16 caches (attention_isa)
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
 
 
@@ -50,6 +51,7 @@ def _stale() -> bool:
 
 
 _isa: int | None = None
+_attention_isa: int | None = None
 
 
 def cpu_isa() -> int:
@@ -63,9 +65,20 @@ def cpu_isa() -> int:
     return _isa
 
 
+def attention_isa() -> int:
+    """The attention kernel's level: AMX where the CPU has AMX-BF16, the OS grants this process the tiles
+    and PAGEDSERVE_CPU_ISA is unset or `amx`; otherwise cpu_isa(). Read once, like cpu_isa()."""
+    global _attention_isa
+    if _attention_isa is None:
+        forced = os.environ.get("PAGEDSERVE_CPU_ISA", "").strip().lower()
+        _attention_isa = AMX if cpu_isa() == ISA_LEVELS["avx512"] and forced in ("", "amx") and amx_ready() \
+            else cpu_isa()
+    return _attention_isa
+
+
 def reread_isa_cap() -> None:
-    global _isa
-    _isa = None
+    global _isa, _attention_isa
+    _isa = _attention_isa = None
 
 
 @lru_cache(maxsize=8)
@@ -74,10 +87,17 @@ def _isa_level(forced: str) -> int:
     best = 2 if cap.startswith("AVX512") else 1 if cap.startswith("AVX2") else 0
     forced = forced.strip().lower()
     if forced:
-        if forced not in ISA_LEVELS:
-            raise ValueError(f"PAGEDSERVE_CPU_ISA={forced!r}; expected one of {', '.join(ISA_LEVELS)}")
-        best = min(best, ISA_LEVELS[forced])
+        if forced not in ISA_LEVELS and forced != "amx":
+            raise ValueError(f"PAGEDSERVE_CPU_ISA={forced!r}; expected one of {', '.join(ISA_LEVELS)}, amx")
+        best = min(best, ISA_LEVELS.get(forced, best))
     return best
+
+
+@lru_cache(maxsize=1)
+def amx_ready() -> bool:
+    """Whether this CPU has AMX-BF16 tiles and this process may use them (the library asks the OS)."""
+    lib = library()
+    return bool(lib is not None and lib.psq_amx_ready())
 
 
 @lru_cache(maxsize=1)
@@ -102,6 +122,8 @@ def library() -> ctypes.CDLL | None:
     lib.psq_paged_attention.restype = i
     lib.psq_rms_norm.argtypes = [p, i, i, p, f, p, i]
     lib.psq_rms_norm.restype = None
+    lib.psq_amx_ready.argtypes = []
+    lib.psq_amx_ready.restype = i
     return lib
 
 
@@ -111,4 +133,4 @@ def available() -> bool:
 
 if __name__ == "__main__":
     path = build(force="--force" in sys.argv)
-    print(f"native kernels ready: {path} (cpu isa level {cpu_isa()})")
+    print(f"native kernels ready: {path} (cpu isa level {cpu_isa()}, attention {attention_isa()})")

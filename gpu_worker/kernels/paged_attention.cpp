@@ -20,11 +20,16 @@
 //
 // Each entry point takes an `isa` level (2 AVX-512, 1 AVX2+FMA, 0 portable): the same loops compiled
 // for each target (GCC vector types lower to each one's registers), chosen at run time, so every path can
-// be tested on one machine.
+// be tested on one machine. Level 3 adds AMX-BF16 tiles for bf16 caches (see "AMX" below); the caller
+// asks psq_amx_ready() first.
+#include <cpuid.h>
+#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <vector>
@@ -143,8 +148,11 @@ __attribute__((always_inline)) inline float exp_shifted(float* sc, int T, float 
     return hsum(sum);
 }
 
-// Keys of a chunk as the kernel indexes them: from a multiple of 4 at or below its first, rounded up to fours.
-constexpr int CHUNK_KEYS = CHUNK + 8;
+// Keys of a chunk as the kernel indexes them: from a multiple of 4 at or below its first, rounded up to
+// fours (32s on the AMX path, whose value products take 32 keys at once, from a multiple of 32).
+constexpr int CHUNK_KEYS = CHUNK + 32;
+// Query rows an AMX pass takes: a tile's 16 columns (scores) and 16 rows (outputs).
+constexpr int AMX_ROWS = 16;
 // A row's scores: a chunk's keys, and the padding max_of / exp_shifted round a run up to.
 constexpr int SCORE_STRIDE = CHUNK_KEYS + 8;
 
@@ -154,11 +162,19 @@ struct Scratch {
     std::vector<const void*> kp, vp, kh, vh;    // the chunk's key and value rows: first head, a later head
     std::vector<const float*> qp;               // per row: its pre-scaled query
     std::vector<float*> sp, ap;                 // per row: its scores, its output
-    Scratch(int rows, int D, int heads, bool converts)       // converts: rows are converted into kbuf / vbuf
+    // AMX only: query pairs [D/32][16][AMX_ROWS], 16 gathered keys [16][D], 16 keys' scores [16][AMX_ROWS],
+    // the chunk's values in key pairs [D/16][CHUNK_KEYS/2][32], weights [AMX_ROWS][CHUNK_KEYS] (all bf16)
+    std::vector<uint32_t> qt;
+    std::vector<uint16_t> kg, vv, pb;
+    std::vector<float> cs;
+    int tile_rows = -1;                         // rows of the tile configuration loaded, -1: none yet
+    Scratch(int rows, int D, int heads, bool converts, bool amx)  // converts: rows are converted into kbuf / vbuf
         : kbuf(converts ? (size_t)CHUNK_KEYS * D : 0), vbuf(converts ? (size_t)CHUNK_KEYS * D : 0),
           scores((size_t)rows * SCORE_STRIDE), acc((size_t)rows * D), m(rows), l(rows), corr(rows),
-          qs((size_t)rows * D), zero((size_t)heads * D + 16), kp(CHUNK_KEYS), vp(CHUNK_KEYS), kh(CHUNK_KEYS),
-          vh(CHUNK_KEYS), qp(rows), sp(rows), ap(rows) {}
+          qs((size_t)rows * D), zero((size_t)heads * D + 32), kp(CHUNK_KEYS), vp(CHUNK_KEYS), kh(CHUNK_KEYS),
+          vh(CHUNK_KEYS), qp(rows), sp(rows), ap(rows), qt(amx ? (size_t)D / 2 * AMX_ROWS : 0),
+          kg(amx ? (size_t)16 * D : 0), vv(amx ? (size_t)D * CHUNK_KEYS : 0),
+          pb(amx ? (size_t)AMX_ROWS * CHUNK_KEYS : 0), cs(amx ? 16 * AMX_ROWS : 0) {}
 };
 
 typedef float v4 __attribute__((vector_size(16)));
@@ -325,6 +341,132 @@ __attribute__((always_inline)) inline void accumulate_rows(int R, float* const* 
     if constexpr (RB > 1) if (rest == 1) return accumulate<W, NV, KT, 1>(acc + r0, corr + r0, p + r0, v, lo, hi);
 }
 
+
+// ---- AMX: bf16 caches on CPUs with AMX-BF16 ----------------------------------------------------
+// A bf16 cache at a large batch is read faster than the vector loops above can multiply it (widening
+// each entry, a horizontal sum per score), so the decode step's attention was bound by arithmetic, not
+// by the memory it streams. The tile unit multiplies bf16 pairs into fp32 sums: scores as
+// keys[16 x 32] x queries[32 x rows] (the keys are tile rows as the cache stores them, a block's 16
+// tokens one stride apart), outputs as weights[rows x 32 keys] x values[32 keys x 16], the values
+// interleaved in key pairs once per chunk. Queries and weights are rounded to bf16 (the products and
+// sums stay fp32): this path runs only where the engine already keeps bf16 (`--dtype auto` on such a
+// CPU). Every score and output element is a sum over the same pairs in the same order whatever the rows
+// beside it, so a token's attention stays the same alone, among drafts and in any batch.
+#define PSQ_AMX_TARGET "avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16"
+
+struct TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+// Tiles: keys, query pairs, scores; weights, value pairs, two output tiles (16 columns each). Macros: GCC's
+// tile intrinsics paste the number into the instruction's text.
+#define T_K 0
+#define T_Q 1
+#define T_S 2
+#define T_P 3
+#define T_V 4
+#define T_O0 5
+#define T_O1 6
+
+// The configuration for R query rows, loaded when R changes (loading one clears the tiles).
+__attribute__((target(PSQ_AMX_TARGET))) inline void configure_tiles(Scratch& s, int R) {
+    if (s.tile_rows == R) return;
+    TileConfig c{};
+    c.palette = 1;
+    const int shapes[7][2] = {{16, 64}, {16, 4 * R}, {16, 4 * R}, {R, 64}, {16, 64}, {R, 64}, {R, 64}};
+    for (int t = 0; t < 7; ++t) c.rows[t] = (uint8_t)shapes[t][0], c.colsb[t] = (uint16_t)shapes[t][1];
+    _tile_loadconfig(&c);
+    s.tile_rows = R;
+}
+
+// Another library's tiles (oneDNN, torch) are left as they were found: each thread saves the
+// configuration before the kernel and restores it (or releases the tiles) after.
+__attribute__((target(PSQ_AMX_TARGET), noinline)) void tiles_save(TileConfig* c) { _tile_storeconfig(c); }
+__attribute__((target(PSQ_AMX_TARGET), noinline)) void tiles_restore(const TileConfig* c) {
+    if (c->palette) _tile_loadconfig(c);
+    else _tile_release();
+}
+
+// sc[r][t] = q[r] . k[t] for R <= 16 rows from r0 and the keys t in [0, hi) (hi a multiple of 32; keys
+// outside the chunk point at a zero row). kstride: bytes from a token's entry to the next in its block.
+__attribute__((target(PSQ_AMX_TARGET), noinline)) void scores_amx(Scratch& s, const void* const* k, int r0, int R,
+                                                                 int hi, int D, int64_t kstride) {
+    configure_tiles(s, R);
+    const int parts = D / 32;
+    for (int r = 0; r < R; ++r) {              // qt[j][i][r]: row r's entries 32j + 2i, 32j + 2i + 1
+        const float* q = s.qp[r0 + r];
+        for (int j = 0; j < parts; ++j) {
+            alignas(64) uint32_t pairs[16];
+            _mm512_store_si512(pairs, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * j + 16),
+                                                                    _mm512_loadu_ps(q + 32 * j)));
+            for (int i = 0; i < 16; ++i) s.qt[(j * 16 + i) * R + r] = pairs[i];
+        }
+    }
+    for (int t = 0; t < hi; t += 16) {
+        const char* base = (const char*)k[t];
+        int64_t stride = kstride;
+        for (int i = 1; i < 16; ++i)
+            if ((const char*)k[t + i] != base + i * kstride) { stride = 0; break; }
+        if (stride == 0) {                     // not one run of a block (its edges, padding): gathered
+            for (int i = 0; i < 16; ++i) memcpy(&s.kg[(size_t)i * D], k[t + i], (size_t)D * 2);
+            base = (const char*)s.kg.data(), stride = D * 2;
+        }
+        _tile_zero(T_S);
+        for (int j = 0; j < parts; ++j) {
+            _tile_loadd(T_K, base + 64 * j, stride);
+            _tile_loadd(T_Q, s.qt.data() + (size_t)j * 16 * R, R * 4);
+            _tile_dpbf16ps(T_S, T_K, T_Q);
+        }
+        _tile_stored(T_S, s.cs.data(), R * 4);
+        for (int r = 0; r < R; ++r) {
+            float* sc = s.sp[r0 + r] + t;
+            for (int i = 0; i < 16; ++i) sc[i] = s.cs[i * R + r];
+        }
+    }
+}
+
+// acc[r] = sum_t p[r][t] v[t] for R <= 16 rows from r0 over the keys [0, hi); with `build`, first the
+// chunk's values in key pairs: vv[quarter][pair][d][2] = v[2 pair][16 quarter + d], v[2 pair + 1][...].
+__attribute__((target(PSQ_AMX_TARGET), noinline)) void values_amx(Scratch& s, const void* const* v, int r0, int R,
+                                                                 int hi, int D, bool build) {
+    configure_tiles(s, R);
+    const int pairs = hi / 2;
+    if (build) {
+        const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                               38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+        const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+        for (int p = 0; p < pairs; ++p) {
+            const uint16_t *x = (const uint16_t*)v[2 * p], *y = (const uint16_t*)v[2 * p + 1];
+            for (int h = 0; h < D / 32; ++h) {
+                const __m512i a = _mm512_loadu_si512(x + 32 * h), b = _mm512_loadu_si512(y + 32 * h);
+                _mm512_storeu_si512(&s.vv[((size_t)(2 * h) * pairs + p) * 32], _mm512_permutex2var_epi16(a, first, b));
+                _mm512_storeu_si512(&s.vv[((size_t)(2 * h + 1) * pairs + p) * 32],
+                                    _mm512_permutex2var_epi16(a, second, b));
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {              // the weights in bf16, row r at pb + r * hi
+        const float* p = s.sp[r0 + r];
+        for (int t = 0; t < hi; t += 32)
+            _mm512_storeu_si512(&s.pb[(size_t)r * hi + t], (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + t + 16),
+                                                                                       _mm512_loadu_ps(p + t)));
+    }
+    for (int h = 0; h < D / 32; ++h) {
+        _tile_zero(T_O0);
+        _tile_zero(T_O1);
+        for (int t = 0; t < hi; t += 32) {
+            _tile_loadd(T_P, s.pb.data() + t, hi * 2);
+            _tile_loadd(T_V, s.vv.data() + ((size_t)(2 * h) * pairs + t / 2) * 32, 64);
+            _tile_dpbf16ps(T_O0, T_P, T_V);
+            _tile_loadd(T_V, s.vv.data() + ((size_t)(2 * h + 1) * pairs + t / 2) * 32, 64);
+            _tile_dpbf16ps(T_O1, T_P, T_V);
+        }
+        _tile_stored(T_O0, s.ap[r0] + 32 * h, D * 4);
+        _tile_stored(T_O1, s.ap[r0] + 32 * h + 16, D * 4);
+    }
+}
+
 // The first key a query at position pos sees: its window's start, 0 without one.
 inline int window_start(const Args& a, int pos) {
     return a.window > 0 && pos - a.window + 1 > 0 ? pos - a.window + 1 : 0;
@@ -360,13 +502,16 @@ inline void prefetch_tile(const Args& a, const int32_t* table, int h0, int nh, i
 // One kv head's rows [r0, r0 + Rh) over the chunk's keys (see attend): every row's scores over the keys
 // [lo, hi) (rows in groups that share each key's load), each row's softmax over the keys it sees, then
 // the outputs (rows in groups that share each value's load).
-template <int W, int NV, int KT>
+template <int W, int NV, int KT, bool X>
 __attribute__((always_inline)) inline void head_chunk(const Args& a, Scratch& s, const void* const* kp,
                                                       const void* const* vp, int r0, int Rh, int G, int p0, int c0,
                                                       int k_lo, int k_hi, int lo, int hi, int D, int h) {
     // position 0 in this chunk (then c0 = 0): its key as stored plus the sink's, as a score term q.dk
     const float* sink_k = a.sink && k_lo == 0 ? a.sink + (int64_t)h * D : nullptr;
-    if constexpr (NV > 0) dots_rows<W, NV, KT, dot_rows<W, NV>()>(Rh, &s.qp[r0], kp, lo, hi, &s.sp[r0]);
+    if constexpr (X)
+        for (int g = r0; g < r0 + Rh; g += AMX_ROWS)
+            scores_amx(s, kp, g, std::min(AMX_ROWS, r0 + Rh - g), hi, D, (int64_t)a.Hkv * D * 2);
+    else if constexpr (NV > 0) dots_rows<W, NV, KT, dot_rows<W, NV>()>(Rh, &s.qp[r0], kp, lo, hi, &s.sp[r0]);
     int live = 0;
     for (int r = r0; r < r0 + Rh; ++r) {
         const int pos = p0 + (r - r0) / G, wlo = window_start(a, pos);      // query token (r - r0) / G
@@ -393,7 +538,10 @@ __attribute__((always_inline)) inline void head_chunk(const Args& a, Scratch& s,
         for (int t = vhi; t < hi; ++t) sc[t] = 0.f;
     }
     if (!live) return;
-    if constexpr (NV > 0)
+    if constexpr (X)
+        for (int g = r0; g < r0 + Rh; g += AMX_ROWS)
+            values_amx(s, vp, g, std::min(AMX_ROWS, r0 + Rh - g), hi, D, g == r0);
+    else if constexpr (NV > 0)
         accumulate_rows<W, NV, KT, acc_rows<W, NV>()>(Rh, &s.ap[r0], &s.corr[r0], &s.sp[r0], vp, lo, hi);
     else
         for (int r = r0; r < r0 + Rh; ++r) accumulate_any<KT>(s.ap[r], s.corr[r], s.sp[r], vp, lo, hi, D);
@@ -412,7 +560,7 @@ __attribute__((always_inline)) inline void head_chunk(const Args& a, Scratch& s,
 // and one exponential pass per chunk. A row's arithmetic is the same in any group, any query run and any
 // head range, so a token's attention is bit-identical decoded alone or verified among drafts.
 // nh > 1 only for caches read in place (fp32, bf16): a key's heads are one contiguous entry, read together.
-template <int W, int NV, int KT>
+template <int W, int NV, int KT, bool X = false>
 __attribute__((always_inline)) inline void attend(const Args& a, int b, int h0, int nh, int k_lo, int k_hi,
                                                   Scratch& s) {
     const int G = a.Hq / a.Hkv, D = NV ? W * NV : a.D;
@@ -431,7 +579,9 @@ __attribute__((always_inline)) inline void attend(const Args& a, int b, int h0, 
     const int64_t head_bytes = (int64_t)a.D * (KT ? 2 : 4);
     // kp / vp / scores are indexed from c0; [lo, hi) is [k_lo, k_hi) rounded out to fours (the extra keys
     // read a zero row)
-    const int c0 = k_lo & ~3, lo = 0, hi = (k_hi - c0 + 3) & ~3;
+    // the AMX path's 32-key value products start at multiples of 32 by position, so a key always shares
+    // one with the same others whatever the chunk's first key (a window's start moves with the query run)
+    const int c0 = X ? k_lo & ~31 : k_lo & ~3, lo = 0, hi = X ? (k_hi - c0 + 31) & ~31 : (k_hi - c0 + 3) & ~3;
     for (int t = lo; t < hi; ++t) s.kp[t] = s.vp[t] = s.zero.data();
     prefetch_tile(a, table, h0, nh, k_lo, std::min(k_hi, k_lo + TILE));
     for (int t = k_lo, blk = k_lo / a.bs, off = k_lo % a.bs; t < k_hi; ++t) {
@@ -456,7 +606,7 @@ __attribute__((always_inline)) inline void attend(const Args& a, int b, int h0, 
             }
             kp = s.kh.data(), vp = s.vh.data();
         }
-        head_chunk<W, NV, KT>(a, s, kp, vp, hh * Rh, Rh, G, p0, c0, k_lo, k_hi, lo, hi, D, h0 + hh);
+        head_chunk<W, NV, KT, X>(a, s, kp, vp, hh * Rh, Rh, G, p0, c0, k_lo, k_hi, lo, hi, D, h0 + hh);
     }
 }
 
@@ -467,6 +617,11 @@ template <int NV, int KT>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void item_avx512(const Args& a, int b, int h0, int nh,
                                                                           int lo, int hi, Scratch& s) {
     attend<16, NV, KT>(a, b, h0, nh, lo, hi, s);
+}
+template <int NV>
+__attribute__((target(PSQ_AMX_TARGET))) void item_amx(const Args& a, int b, int h0, int nh, int lo, int hi,
+                                                      Scratch& s) {
+    attend<16, NV, 1, true>(a, b, h0, nh, lo, hi, s);
 }
 template <int NV, int KT>
 __attribute__((target("avx2,fma"))) void item_avx2(const Args& a, int b, int h0, int nh, int lo, int hi, Scratch& s) {
@@ -491,7 +646,12 @@ Item pick_kt(int isa, int D) {
     }
 #undef PSQ_PICK
 }
-Item pick(int isa, int D, int kv_dtype) { return kv_dtype == 1 ? pick_kt<1>(isa, D) : pick_kt<0>(isa, D); }
+// isa 3: AVX-512 with AMX-BF16, whose tiles take bf16 caches of head sizes in 32s (the others run AVX-512).
+bool takes_amx(int isa, int D, int kv_dtype) { return isa >= 3 && kv_dtype == 1 && (D == 32 || D == 64 || D == 128); }
+Item pick(int isa, int D, int kv_dtype) {
+    if (takes_amx(isa, D, kv_dtype)) return D == 32 ? item_amx<2> : D == 64 ? item_amx<4> : item_amx<8>;
+    return kv_dtype == 1 ? pick_kt<1>(isa, D) : pick_kt<0>(isa, D);
+}
 
 // A chunk's running sums, kept for the merge: [rows] maxima, [rows] sums, [rows][D] outputs.
 struct Parts {
@@ -538,7 +698,7 @@ inline int chunk_hi(const Args& a, int b, int c) { return std::min((c + 1) * CHU
 // entry, which streams from memory far better than one head's slice of it; other caches one pair each);
 // with fewer pairs, one (pair, chunk) each, so a single stream's 2-8 kv heads still use every core. The
 // chunks and their merge are the same either way.
-void attend_all(const Args& a, Item item) {
+void attend_all(const Args& a, Item item, bool amx) {
     int most = 1;
     int64_t work = 0;
     std::vector<int> chunk0(a.B), chunks(a.B);
@@ -561,7 +721,9 @@ void attend_all(const Args& a, Item item) {
     if (!per_pair) shared.resize(start[a.B] * a.Hkv, R, a.D);
 #pragma omp parallel if (parallel)
     {
-        Scratch s(R, a.D, nh, a.kv_dtype > 1);
+        Scratch s(R, a.D, nh, a.kv_dtype > 1, amx);
+        TileConfig found{};
+        if (amx) tiles_save(&found);
         if (per_pair) {
             Parts own;
 #pragma omp for schedule(dynamic)
@@ -591,6 +753,7 @@ void attend_all(const Args& a, Item item) {
                 shared.merge_into(a, b, h, 0, start[b] * a.Hkv + (int64_t)h * chunks[b], chunks[b]);
             }
         }
+        if (amx) tiles_restore(&found);
     }
 }
 
@@ -607,8 +770,18 @@ int psq_paged_attention(const float* q, const void* k_cache, const void* v_cache
     if (B <= 0) return 0;
     const Args a{q, k_cache, v_cache, kv_dtype, tables, max_blocks, seq_lens, q_start, B, Hq, Hkv, D, block_size,
                  scale, out, window, softcap, sink};
-    attend_all(a, pick(isa, D, kv_dtype));
+    attend_all(a, pick(isa, D, kv_dtype), takes_amx(isa, D, kv_dtype));
     return 0;
+}
+
+// 1 when this CPU has AMX-BF16 (with AVX512-BF16) and the kernel lets this process use the tiles (Linux
+// grants their state on request, once per process); 0 otherwise. Run before any call with isa 3.
+int psq_amx_ready() {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return 0;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !((a >> 5) & 1)) return 0;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
 }  // extern "C"
