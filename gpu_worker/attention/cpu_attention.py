@@ -5,7 +5,7 @@ The torch backend otherwise gathers each sequence's blocks into a copy and runs 
 layer: at a few sequences those fixed costs are most of the attention time. The kernel reads K/V in
 place through the block tables, in one call per layer for every such sequence of the step, and reads
 every cache dtype the engine allocates (fp32, bf16, fp16, fp8 e4m3/e5m2). A bf16 cache on a CPU with
-AMX-BF16 runs on the tiles (native.attention_isa): 1.46-1.77x for verification runs of 7 tokens, the same
+AMX-BF16 runs on the tiles (native.attention_isa): 1.46-1.72x for verification runs of 7 tokens, the same
 as the vector loops for decodes (loadtest/results/attention_amx_2026-12-05.txt).
 """
 from __future__ import annotations

@@ -343,9 +343,11 @@ __attribute__((always_inline)) inline void accumulate_rows(int R, float* const* 
 
 
 // ---- AMX: bf16 caches on CPUs with AMX-BF16 ----------------------------------------------------
-// A bf16 cache at a large batch is read faster than the vector loops above can multiply it (widening
-// each entry, a horizontal sum per score), so the decode step's attention was bound by arithmetic, not
-// by the memory it streams. The tile unit multiplies bf16 pairs into fp32 sums: scores as
+// A run of several query tokens (speculative verification: k + 1 tokens times the query heads of a kv
+// head) costs the vector loops above a widening per entry and a horizontal sum per score for every row;
+// the tiles take 16 rows a pass: 1.5-1.7x for runs of 7, the same as the loops for decodes (3 rows a kv
+// head), whose fixed costs here (transposing scores, pairing values) match the loops' arithmetic
+// (loadtest/results/attention_amx_2026-12-05.txt). The tile unit multiplies bf16 pairs into fp32 sums: scores as
 // keys[16 x 32] x queries[32 x rows] (the keys are tile rows as the cache stores them, a block's 16
 // tokens one stride apart), outputs as weights[rows x 32 keys] x values[32 keys x 16], the values
 // interleaved in key pairs once per chunk. Queries and weights are rounded to bf16 (the products and
