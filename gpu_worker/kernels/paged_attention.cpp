@@ -171,7 +171,7 @@ struct Scratch {
     Scratch(int rows, int D, int heads, bool converts, bool amx)  // converts: rows are converted into kbuf / vbuf
         : kbuf(converts ? (size_t)CHUNK_KEYS * D : 0), vbuf(converts ? (size_t)CHUNK_KEYS * D : 0),
           scores((size_t)rows * SCORE_STRIDE), acc((size_t)rows * D), m(rows), l(rows), corr(rows),
-          qs((size_t)rows * D), zero((size_t)heads * D + 32), kp(CHUNK_KEYS), vp(CHUNK_KEYS), kh(CHUNK_KEYS),
+          qs((size_t)rows * D), zero((size_t)heads * D + 16), kp(CHUNK_KEYS), vp(CHUNK_KEYS), kh(CHUNK_KEYS),
           vh(CHUNK_KEYS), qp(rows), sp(rows), ap(rows), qt(amx ? (size_t)D / 2 * AMX_ROWS : 0),
           kg(amx ? (size_t)16 * D : 0), vv(amx ? (size_t)D * CHUNK_KEYS : 0),
           pb(amx ? (size_t)AMX_ROWS * CHUNK_KEYS : 0), cs(amx ? 16 * AMX_ROWS : 0) {}
