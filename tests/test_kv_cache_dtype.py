@@ -62,11 +62,12 @@ def test_fp8_engine_variants_agree(variant, fp8_case):
         assert (st.num_swap_preemptions if variant == "swap" else st.num_recompute_preemptions) > 0
 
 
-# Measured here (2026-12-04) with rotation, centres (position 0 its own), gains and start-up scales
-# (layers/kv_rotation.py): e4m3 245, e5m2 248 and e4m3 with --calculate-kv-scales 248 of 256 positions (95.7%,
-# 96.9%, 96.9%; a 1-ulp variant of the key gain gave 248, 246, 248); with the rotation alone 247, 232, 246. The whole-workload figures and #9's 97%
-# are in loadtest/results/fp8_kv_sink_2026-12-04.txt; these bounds guard what we have, a few positions below.
-TOP1_FLOOR = {("fp8", False): 0.95, ("fp8_e5m2", False): 0.945, ("fp8", True): 0.955}
+# Measured here (2026-12-05) with rotation, centres (position 0 its own), gains, start-up scales
+# (layers/kv_rotation.py) and keys rounded with error feedback (attention/fp8_feedback.py): e4m3 249, e5m2 243
+# and e4m3 with --calculate-kv-scales 247 of 256 positions (97.3%, 94.9%, 96.5%; with nearest rounding 245, 248,
+# 248). The whole-workload figures and #9's 97% are in loadtest/results/fp8_kv_feedback_served_2026-12-05.txt;
+# these bounds guard what we have, a few positions below.
+TOP1_FLOOR = {("fp8", False): 0.955, ("fp8_e5m2", False): 0.94, ("fp8", True): 0.955}
 
 
 @pytest.mark.slow

@@ -121,6 +121,7 @@ def test_an_fp8_engine_centres_its_cache_at_start_up(tiny_model) -> None:
         for c in centres:
             assert c.k_mean.abs().sum() > 0 and c.v_mean.abs().sum() > 0 and not torch.equal(c.k_first, c.k_mean)
             assert not torch.equal(c.gain, torch.ones_like(c.gain))
+            assert c.key_feedback.shape == (c.gain.shape[0], c.gain.shape[1], c.gain.shape[1])   # fp8_feedback.py
 
 
 @pytest.mark.slow

@@ -48,9 +48,9 @@ class AttentionBackend(Protocol[M]):
         """Precompute per-step index tensors once so each layer's forward only does tensor work."""
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: M, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                 meta: M, k_scale: float = 1.0, v_scale: float = 1.0, k_feedback: torch.Tensor | None = None) -> None:
         """Scatter this step's key/value [T, Hkv, D] into the layer's cache (to_cache: an fp8 cache holds
-        them divided by the layer's scales)."""
+        them divided by the layer's scales, keys rounded against `k_feedback` where given)."""
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: M, scale: float, k_scale: float = 1.0,
@@ -83,11 +83,15 @@ def cache_scale(dtype: torch.dtype, scale: float) -> float:
     return float(scale) if dtype in FP8_DTYPES else 1.0
 
 
-def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float, feedback: torch.Tensor | None = None) -> torch.Tensor:
     """K or V as a cache of `dtype` stores it: fp8 divided by the layer's scale and saturated at the
-    format's largest value (a plain cast turns e4m3's overflow into NaN)."""
+    format's largest value (a plain cast turns e4m3's overflow into NaN); rounded to nearest, or for keys
+    with a `feedback` matrix [Hkv, D, D] against the queries' second moment (fp8_feedback.py)."""
     if dtype not in FP8_DTYPES:
         return x.to(dtype)
+    if feedback is not None:
+        from gpu_worker.attention.fp8_feedback import round_with_feedback
+        return round_with_feedback(x, feedback, dtype, scale)
     top = torch.finfo(dtype).max
     return (x if scale == 1.0 else x / scale).clamp(-top, top).to(dtype)
 
@@ -97,6 +101,13 @@ def index_copy_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -
     if dst.dtype in FP8_DTYPES:
         dst, src = dst.view(torch.uint8), src.view(torch.uint8)
     dst.index_copy_(0, index, src)
+
+
+def read_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """src.index_select(0, index) for any cache dtype (index_copy_rows's reverse)."""
+    if src.dtype in FP8_DTYPES:
+        return src.view(torch.uint8).index_select(0, index).view(src.dtype)
+    return src.index_select(0, index)
 
 
 def kv_block_bytes(mc: ModelConfig, block_size: int, dtype: torch.dtype, num_caches: int | None = None) -> int:

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.attention import FP8_DTYPES, AttentionMetadata, cache_scale, cpu_attention, index_copy_rows, to_cache
+from gpu_worker.attention import (FP8_DTYPES, AttentionMetadata, cache_scale, cpu_attention, index_copy_rows, read_rows,
+                                  to_cache)
 
 # decodes whose lengths differ by more than this factor go to separate SDPA calls
 _DECODE_GROUP_SPREAD = 2.0
@@ -149,9 +150,9 @@ class TorchAttentionBackend:
                            mask=pos < lens, seq_lens=lens)
 
     def write_kv(self, key, value, k_cache, v_cache, meta: TorchAttentionMetadata, k_scale: float = 1.0,
-                 v_scale: float = 1.0) -> None:
+                 v_scale: float = 1.0, k_feedback: torch.Tensor | None = None) -> None:
         nh, hd = k_cache.shape[-2:]
-        index_copy_rows(k_cache.view(-1, nh, hd), meta.slot_mapping, to_cache(key, k_cache.dtype, k_scale))
+        index_copy_rows(k_cache.view(-1, nh, hd), meta.slot_mapping, to_cache(key, k_cache.dtype, k_scale, k_feedback))
         index_copy_rows(v_cache.view(-1, nh, hd), meta.slot_mapping, to_cache(value, v_cache.dtype, v_scale))
 
     def forward(self, query, key, value, k_cache, v_cache, meta: TorchAttentionMetadata, scale: float,
@@ -163,9 +164,10 @@ class TorchAttentionBackend:
         query sees only its last `window` keys; `softcap`: scores become tanh(s / cap) * cap; `sink`
         [2, Hkv, D] fp32: added to every sequence's position-0 key and value as the cache holds them (an
         fp8 cache stores that entry around a centre of its own, layers/kv_rotation.py)."""
-        if k_cache.dtype in FP8_DTYPES and meta.prefills:
-            key = to_cache(key, k_cache.dtype, k_scale).to(query.dtype)      # what a later step reads back
-            value = to_cache(value, v_cache.dtype, v_scale).to(query.dtype)
+        if k_cache.dtype in FP8_DTYPES and meta.prefills:    # the bytes write_kv stored, as later steps read them
+            nh, hd = k_cache.shape[-2:]
+            key = read_rows(k_cache.view(-1, nh, hd), meta.slot_mapping).to(query.dtype)
+            value = read_rows(v_cache.view(-1, nh, hd), meta.slot_mapping).to(query.dtype)
         scale = scale * cache_scale(k_cache.dtype, k_scale)
         v_scale = cache_scale(v_cache.dtype, v_scale)
         nr, how = meta.native, (scale, window, softcap, sink)

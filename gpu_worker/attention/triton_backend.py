@@ -258,7 +258,8 @@ class TritonAttentionBackend:
 
     # ---------------------------------------------------------------------------------- kernels
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 tm: TritonAttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                 tm: TritonAttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0,
+                 k_feedback: torch.Tensor | None = None) -> None:
         """Scatter this step's key/value [T, Hkv, D] into the caches at meta.slot_mapping (slots < 0 skipped)."""
         num_tokens = key.shape[0]
         if num_tokens == 0:
@@ -270,7 +271,7 @@ class TritonAttentionBackend:
                              f"{nkv} x {hd}")
         # converted (scaled, saturated, rounded) by torch, so both backends store the same bytes; the
         # kernel then only scatters (Triton's interpreter also rounds fp8 wrongly at a binade's edge)
-        key, value = to_cache(key, k_cache.dtype, k_scale), to_cache(value, v_cache.dtype, v_scale)
+        key, value = to_cache(key, k_cache.dtype, k_scale, k_feedback), to_cache(value, v_cache.dtype, v_scale)
         write_kernel[(num_tokens,)](
             key, value, k_cache, v_cache, tm.base.slot_mapping,
             *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),

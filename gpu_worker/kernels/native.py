@@ -1,5 +1,5 @@
 """Builds and loads the C++ CPU kernels (qgemm.cpp: quantized matmuls; paged_attention.cpp:
-attention on the paged KV cache; rms_norm.cpp) and says which instruction set they may use.
+attention on the paged KV cache; rms_norm.cpp; fp8_round.cpp: keys into an fp8 cache) and says which instruction set they may use.
 
 The library is plain C ABI loaded with ctypes, so it needs no torch headers and builds in seconds with
 the system g++ during scripts/setup.sh (`python -m gpu_worker.kernels.native`). It links OpenMP by
@@ -23,10 +23,10 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "qgemm.cpp", HERE / "paged_attention.cpp", HERE / "rms_norm.cpp")
+SOURCES = (HERE / "qgemm.cpp", HERE / "paged_attention.cpp", HERE / "rms_norm.cpp", HERE / "fp8_round.cpp")
 HEADERS = (HERE / "fp8.h",)
 LIBRARY = HERE / "_build" / "libpsq.so"
-ABI_VERSION = 8
+ABI_VERSION = 9
 ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}     # the levels every kernel has
 AMX = 3    # above avx512, the attention kernel's own: AMX-BF16 tiles for bf16 caches (attention_isa)
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
@@ -122,6 +122,8 @@ def library() -> ctypes.CDLL | None:
     lib.psq_paged_attention.restype = i
     lib.psq_rms_norm.argtypes = [p, i, i, p, f, p, i]
     lib.psq_rms_norm.restype = None
+    lib.psq_fp8_round_feedback.argtypes = [p, p, p, i, i, i, f, i, i]
+    lib.psq_fp8_round_feedback.restype = i
     lib.psq_amx_ready.argtypes = []
     lib.psq_amx_ready.restype = i
     return lib

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpu_worker.attention.fp8_feedback import feedback_matrix
 
 CALIBRATION_TEXT = (
     "The history of the city goes back more than two thousand years. Its markets, schools and harbours grew "
@@ -77,13 +78,19 @@ class KVCentres:
     v_mean: torch.Tensor
     v_first: torch.Tensor
     gain: torch.Tensor
+    # [kv heads, D, D]: how keys are rounded into the cache, against the calibration queries in the cache
+    # basis (attention/fp8_feedback.py); None: to nearest
+    key_feedback: torch.Tensor | None = None
     # per (query heads, dtype): query gain [Hq, D], key gain 1 / gain, value centre per query head [Hq, D]
     _per_call: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @staticmethod
-    def measure(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shift_keys: bool = True) -> "KVCentres":
+    def measure(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor | None = None,
+                shift_keys: bool = True) -> "KVCentres":
         """From one sequence's q [T, Hq, D], k, v [T, Hkv, D] starting at position 0 (after rope).
-        `shift_keys` False (soft-capped scores): keys keep a zero centre, and only the gain applies."""
+        `r` (the rotation): also the keys' rounding against these queries' second moment, E q q' in the
+        cache basis. `shift_keys` False (soft-capped scores): keys keep a zero centre, and only the gain
+        applies."""
         q, k, v = q.float(), k.float(), v.float()
         k_mean, k_first = (k.mean(0), k[0]) if shift_keys else (torch.zeros_like(k[0]),) * 2
         group = q.shape[1] // k.shape[1]
@@ -91,7 +98,11 @@ class KVCentres:
         k_ms = (k[1:] - k_mean).pow(2).mean(0)
         gain = (k_ms.clamp_min(1e-12) / q_ms.clamp_min(1e-12)) ** (SMOOTHING / 4)
         gain = gain / gain.log().mean(-1, keepdim=True).exp()       # geometric mean 1: magnitudes stay put
-        return KVCentres(k_mean, k_first, v.mean(0), v[0], gain)
+        feedback = None
+        if r is not None:
+            qc = ((q * gain.repeat_interleave(group, 0)) @ r.float()).reshape(q.shape[0], k.shape[1], group, -1)
+            feedback = feedback_matrix(torch.einsum("tgad,tgae->gde", qc, qc))
+        return KVCentres(k_mean, k_first, v.mean(0), v[0], gain, feedback)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: torch.Tensor,
               r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -79,7 +79,7 @@ class Attention(nn.Module):
         if r is not None:         # the same orthogonal R on q, k and v: the scores and the output are unchanged
             if self.kv_centres_calibration:
                 self.kv_centres_calibration = False
-                c = self.kv_centres = KVCentres.measure(q, k, v, shift_keys=self.softcap is None)
+                c = self.kv_centres = KVCentres.measure(q, k, v, r, shift_keys=self.softcap is None)
             if c is not None:     # centred, position 0 around its own centres, keys balanced against queries
                 q, k, v = c.apply(q, k, v, rot.first, r)
             else:
@@ -89,7 +89,8 @@ class Attention(nn.Module):
             self._calibrate_kv_scales(k, v)
         if c is not None and self._kv_sink is None:
             self._kv_sink = c.sink(r, cache_scale(k_cache.dtype, self.k_scale), cache_scale(v_cache.dtype, self.v_scale))
-        backend.write_kv(k, v, k_cache, v_cache, meta, self.k_scale, self.v_scale)
+        backend.write_kv(k, v, k_cache, v_cache, meta, self.k_scale, self.v_scale,
+                         None if c is None else c.key_feedback)
         o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
                             window=self.window, softcap=self.softcap, sink=self._kv_sink)
         if r is not None:
