@@ -6,8 +6,8 @@
 //
 // x: [rows][heads][D] fp32 (already divided by the layer's scale); a: [heads][D][D] fp32 (strictly upper
 // triangular); out: [rows][heads][D] fp8 bytes; kv_dtype 3 = e4m3fn, 4 = e5m2 (paged_attention.cpp's codes);
-// isa: native.py's level (0 portable, 1 AVX2, 2 AVX-512). Each row's channels are a serial chain, so the vectors run across 16
-// rows of one head (each lane its own row), which makes the rounding itself vector work too.
+// isa: native.py's level (0 portable, 1 AVX2, 2 AVX-512). Each row's channels are a serial chain, so the
+// vectors run across 16 rows of one head (each lane its own row), which makes the rounding vector work too.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -33,7 +33,7 @@ inline Format format_of(int kv_dtype) { return kv_dtype == 3 ? Format{3, -6, 448
 // taking away 2^23 leaves the nearest integer, ties to even.
 __attribute__((always_inline)) inline vi encode(vf x, const Format& f, vf* value) {
     const vi bits = (vi)x;
-    const vi sign = (vi)((bits >> 31) & 1);
+    const vi sign = (bits >> 31) & 1;
     vi e = ((bits >> 23) & 0xFF) - 127;
     e = e < f.min_exp ? f.min_exp : e;
     const vf step = (vf)((e - f.man_bits + 127) << 23);
@@ -49,7 +49,10 @@ __attribute__((always_inline)) inline void round_rows(const float* x, const floa
                                                       int stride, int D, const Format& f, float scale) {
     vf w[256];
     for (int j = 0; j < D; ++j)
-        for (int l = 0; l < LANES; ++l) w[j][l] = l < n ? (scale == 1.0f ? x[l * stride + j] : x[l * stride + j] / scale) : 0.0f;
+        for (int l = 0; l < LANES; ++l) {
+            const float v = l < n ? x[l * stride + j] : 0.0f;
+            w[j][l] = scale == 1.0f ? v : v / scale;
+        }
     for (int i = 0; i < D; ++i) {
         vf wi = w[i] < -f.top ? -f.top : w[i];
         wi = wi > f.top ? f.top : wi;
