@@ -86,6 +86,33 @@ def test_packed_weights_keep_the_kernel_for_small_steps_and_bf16_beyond():
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("feature", ["amx_bf16", "avx512_bf16", "forced"])
+def test_with_amx_the_bf16_expansion_takes_every_step_beyond_eight_rows(feature, monkeypatch):
+    """On AMX tiles the bf16 expansion beats the native kernel from 9 rows (AMX_NATIVE_MAX_ROWS); with
+    AVX512-BF16 dot products alone it does not, and the kernel keeps GEMM_MAX_ROWS. Which path ran is seen
+    in the numbers: the kernel's fp32 products equal the packed weight's own, the expansion's do not."""
+    from gpu_worker.quantization import packed_linear
+    from gpu_worker.quantization.packed import AMX_NATIVE_MAX_ROWS
+    from gpu_worker.quantization import linear_method
+    monkeypatch.setattr(packed_linear, "bf16_hardware", lambda: feature)
+    layer = Linear(128, 64, method=linear_method("gguf"))
+    layer.packed = gguf_tensor(T.Q4_1, 64, 128, seed=5).pack()
+    x = torch.randn(GEMM_MAX_ROWS[native.cpu_isa()], 128)
+    exact = [layer.packed.matmul(x[:n]) for n in range(1, x.shape[0] + 1)]    # the kernel (or torch's fp32)
+    layer.method.use_matmul_dtype(layer, torch.bfloat16)
+    last = AMX_NATIVE_MAX_ROWS if feature == "amx_bf16" else GEMM_MAX_ROWS[native.cpu_isa()]
+    assert layer.packed.max_native_rows() == min(last, GEMM_MAX_ROWS[native.cpu_isa()])
+    if not native.available():
+        return
+    for n in range(1, x.shape[0] + 1):
+        got = layer(x[:n])
+        if n <= last:
+            assert torch.equal(got, exact[n - 1]), n
+        else:
+            assert 1e-5 < _rel_err(got, exact[n - 1]) < 2e-2, n
+
+
+@pytest.mark.unit
 def test_a_prepacked_bf16_weight_gives_the_plain_weights_products():
     """Prepacking changes where oneDNN finds the weight, not the product: at row counts on both sides of
     the packed kernel's limit, and with a bias, the result is the plain bf16 weight's within fp32

@@ -4,8 +4,9 @@ GGUF blocks today, and any 4/8-bit format with per-group scales and zero points,
 w[n, k] = scale[n, g] * q[n, k] + offset[n, g]. Values 0..15 (with K a multiple of 32) are packed two to
 a byte; anything else takes a byte. On the CPU the native kernel (gpu_worker/kernels) expands the values
 in registers for steps of up to `GEMM_MAX_ROWS[isa]` rows, where reading fewer bytes is the whole win; larger
-steps expand the weight once into fp32 and use the BLAS GEMM; without the native library the same
-expansion is done in torch, slower, with the same values. On CUDA a Triton GEMM (kernels/triton_qgemm)
+steps expand the weight once into fp32 and use the BLAS GEMM, or, in `--dtype auto` on bf16 hardware,
+run on a bf16 copy held once (keep_expanded; on AMX that copy takes every step beyond AMX_NATIVE_MAX_ROWS);
+without the native library the same expansion is done in torch, slower, with the same values. On CUDA a Triton GEMM (kernels/triton_qgemm)
 dequantizes each weight tile in registers.
 """
 from __future__ import annotations
@@ -25,6 +26,12 @@ from gpu_worker.layers.linear import low_precision_linear, prepack_bf16
 # loadtest/results/qgemm_bench_2026-12-02_avx512.txt): wins up to 32 rows (1.12x), loses at 48. Portable:
 # expansion wins from 1 row, but 16 keeps speculative verification bit-identical to decoding there too.
 GEMM_MAX_ROWS = {0: 16, 1: 40, 2: 32}
+# With a bf16 expansion that oneDNN runs on AMX tiles, the expansion wins from 9 rows: SmolLM2's 120
+# decoder products took 11.7 ms native against 12.2 ms bf16 at 8 rows, 13.0 against 12.5 at 9, 19.9 against
+# 12.6 at 16, and bf16 stays at 15-17 ms up to 64 rows. With AVX512-BF16 dot products alone (oneDNN capped
+# at AVX512_CORE_BF16) bf16 took 44 ms at 32 rows against native's 42, so GEMM_MAX_ROWS stays there
+# (loadtest/results/packed_rows_2026-12-06.txt).
+AMX_NATIVE_MAX_ROWS = 8
 FP8_BITS = 9         # q holds float8_e4m3fn bytes (the native kernel's code for them)
 
 
@@ -84,6 +91,7 @@ class PackedWeight:
     group: int
     perm: torch.Tensor | None = None    # int64 [K]: the input order of the stored columns (GroupQuant.perm)
     expanded: torch.Tensor | None = None    # CPU: bf16, prepacked, for steps beyond the native kernel's rows
+    native_max_rows: int | None = None      # the native kernel's last step size, if not GEMM_MAX_ROWS[isa]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -161,7 +169,7 @@ class PackedWeight:
         if bias is not None and bias.dtype != torch.float32:
             bias = bias.float()
         lib = native.library() if x.device.type == "cpu" else None
-        if lib is not None and x2.shape[0] <= GEMM_MAX_ROWS[native.cpu_isa()]:
+        if lib is not None and x2.shape[0] <= self.max_native_rows():
             y = self._native_gemm(lib, x2, bias)
         elif self.expanded is not None:
             y = low_precision_linear(x2, self.expanded, bias)
@@ -171,13 +179,23 @@ class PackedWeight:
             y = y.to(x.dtype)
         return y.reshape(*lead, -1) if len(lead) != 1 else y
 
-    def keep_expanded(self, dtype: torch.dtype) -> None:
+    def max_native_rows(self) -> int:
+        """The largest step the native kernel runs on this weight; larger ones take the expansion."""
+        isa_rows = GEMM_MAX_ROWS[native.cpu_isa()]
+        return isa_rows if self.native_max_rows is None else min(isa_rows, self.native_max_rows)
+
+    def keep_expanded(self, dtype: torch.dtype, native_max_rows: int | None = None) -> None:
         """Hold a `dtype` expansion of the weights (on the CPU) for the steps the native kernel does not
         run: with bf16 matrix hardware a bf16 GEMM beats expanding to fp32 at every call by 3-4x
         (gpu_worker/cpu_precision.py). The packed copy stays for the small steps, where reading half a
-        byte a weight is the win. A table shared by the embedding and the lm_head is expanded once."""
-        if self.q.device.type == "cpu" and (self.expanded is None or self.expanded.dtype != dtype):
+        byte a weight is the win; `native_max_rows` is where that ends, when the expansion runs faster than
+        the fp32 GEMM does (AMX_NATIVE_MAX_ROWS). A table shared by the embedding and the lm_head is
+        expanded once."""
+        if self.q.device.type != "cpu":
+            return
+        if self.expanded is None or self.expanded.dtype != dtype:
             self.expanded = prepack_bf16(self._dequantize_fast(native.library()).to(dtype))
+        self.native_max_rows = native_max_rows
 
     def _native_gemm(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q, scale, offset, n, group, bits = self._call
