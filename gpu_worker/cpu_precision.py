@@ -13,7 +13,7 @@ packed copy for the native kernel's small steps and gain a bf16 expansion for st
 memory: 2 bytes a weight), prepacked in oneDNN's layout (gpu_worker/layers/linear.py: prepack_bf16);
 the KV cache's auto dtype becomes bf16. `--dtype float32` turns all of it off: the exact mode that the
 HF-equality tests use. Its quality against fp32 is measured by loadtest/quality.py (top-1 agreement
-98.3% on the shared workload). A token's result depends on which rows shared its steps (as on a GPU):
+98.6% on the shared workload, 2026-12-06). A token's result depends on which rows shared its steps (as on a GPU):
 greedy outputs are not batch-invariant in this mode.
 
 PAGEDSERVE_CPU_BF16=0 turns the detection off, =1 forces it on (tests run the mode on any CPU).

@@ -96,37 +96,13 @@ def decode_steps(llm, weights: list[PackedWeight], batches: list[int], limits: l
 
 
 def end_to_end(llm, weights: list[PackedWeight], limits: list[int], repeats: int) -> None:
-    reqs = load_workload()
-    pagedserve_runs.drive_engine(llm, [pagedserve_runs.WARMUP], "warmup")
-    out_tokens = sum(r.max_tokens for r in reqs)
-    rates: dict[int, list[float]] = {n: [] for n in limits}
-    outputs: dict[int, dict[str, list[int]]] = {}
-    for rep in range(repeats):
-        for n in limits:
+    def limit(n: int):
+        def setup() -> None:
             for w in weights:
                 w.native_max_rows = n
-            finished: dict[str, list[int]] = {}
-            engine_step = llm.engine.step
-
-            def step():
-                outs = engine_step()
-                for eo in outs:
-                    finished.setdefault(eo.request_id.split("-", 2)[-1], []).extend(eo.new_token_ids)
-                return outs
-            llm.engine.step = step
-            try:
-                wall, _ = pagedserve_runs.drive_engine(llm, reqs, f"r{rep}-{n}")
-            finally:
-                llm.engine.step = engine_step
-            rates[n].append(out_tokens / wall)
-            outputs.setdefault(n, finished)
-            print(f"  repeat {rep}, native up to {n:>2} rows: {out_tokens / wall:6.1f} tok/s ({wall:.2f} s)")
-    base = limits[-1]
-    for n in limits:
-        same = sum(outputs[n][k] == outputs[base][k] for k in outputs[base])
-        ratio = statistics.median(rates[n]) / statistics.median(rates[base])
-        print(f"native up to {n:>2} rows: median {statistics.median(rates[n]):6.1f} tok/s, {ratio:.3f}x "
-              f"the {base}-row arm; {same}/{len(outputs[base])} outputs identical to it")
+        return setup
+    pagedserve_runs.alternate_arms(llm, load_workload(), {f"native up to {n} rows": limit(n) for n in limits},
+                                   repeats)
 
 
 def main() -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 from common.output_processor import RequestTracker
 from common.protocol import EngineRequest
@@ -60,8 +61,10 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def drive_engine(llm, reqs: list[BenchRequest], prefix: str) -> tuple[float, list[RequestTiming]]:
-    """Add all of `reqs` at once, step until every one is finished; return (wall s, timings)."""
+def drive_engine(llm, reqs: list[BenchRequest], prefix: str,
+                 tokens: dict[int, list[int]] | None = None) -> tuple[float, list[RequestTiming]]:
+    """Add all of `reqs` at once, step until every one is finished; return (wall s, timings). `tokens`,
+    when given, receives each request's generated ids under its index in `reqs`."""
     engine = llm.engine
     trackers: dict[str, tuple[BenchRequest, RequestTracker]] = {}
     submitted: dict[str, float] = {}
@@ -82,6 +85,8 @@ def drive_engine(llm, reqs: list[BenchRequest], prefix: str) -> tuple[float, lis
             tr = trackers[eo.request_id][1]
             tr.process(eo)
             times[eo.request_id].extend([now] * len(eo.new_token_ids))
+            if tokens is not None:
+                tokens.setdefault(int(eo.request_id.rsplit("-", 1)[1]), []).extend(eo.new_token_ids)
             if tr.finished:
                 pending.discard(eo.request_id)
         if pending and not engine.has_unfinished():
@@ -94,6 +99,31 @@ def drive_engine(llm, reqs: list[BenchRequest], prefix: str) -> tuple[float, lis
             raise RuntimeError(f"request {r.id} produced {n} tokens, expected {r.max_tokens}")
         timings.append(RequestTiming(r.id, submitted[rid], times[rid], n))
     return wall, timings
+
+
+def alternate_arms(llm, reqs: list[BenchRequest], arms: dict[str, Callable[[], None]], repeats: int) -> None:
+    """A/B in one engine: `reqs` submitted at once, once per arm per repeat, the arms alternated; each arm's
+    callable sets it up before its run. Prefix caching must be off (a second pass would find every prompt
+    cached). Prints each run's output tok/s, then each arm's median against the last arm's and how many
+    outputs it shares with that arm's first run token for token."""
+    drive_engine(llm, [WARMUP], "warmup")
+    out_tokens = sum(r.max_tokens for r in reqs)
+    rates: dict[str, list[float]] = {name: [] for name in arms}
+    outputs: dict[str, dict[int, list[int]]] = {}
+    for rep in range(repeats):
+        for k, (name, setup) in enumerate(arms.items()):
+            setup()
+            got: dict[int, list[int]] = {}
+            wall, _ = drive_engine(llm, reqs, f"ab{rep}.{k}", got)
+            rates[name].append(out_tokens / wall)
+            outputs.setdefault(name, got)
+            print(f"  repeat {rep}, {name}: {out_tokens / wall:6.1f} tok/s ({wall:.2f} s)", flush=True)
+    base = list(arms)[-1]
+    for name in arms:
+        same = sum(outputs[name][i] == outputs[base][i] for i in outputs[base])
+        ratio = statistics.median(rates[name]) / statistics.median(rates[base])
+        print(f"{name}: median {statistics.median(rates[name]):6.1f} tok/s, {ratio:.3f}x {base}; "
+              f"{same}/{len(outputs[base])} outputs identical to it")
 
 
 def run_offline(reqs: list[BenchRequest], threads: int | None = None, model: str | None = None,

@@ -226,3 +226,28 @@ def test_amx_tiles_round_queries_and_weights_to_bf16_and_nothing_else(block_size
     err, plain_err = (got - want).abs(), (got - plain).abs()
     assert err.mean() < 1e-6 < 1e-4 < plain_err.mean(), (err.mean(), plain_err.mean())
     assert err.max() < 1e-3
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernels are not built")
+@pytest.mark.parametrize("case", ["amx", "avx512", "fp32-cache", "head-20", "torch-only"])
+def test_prefills_run_in_bf16_exactly_where_the_tiles_run_a_bf16_cache(case, monkeypatch, force_isa):
+    """cpu_attention.prefill_dtype: with AMX, a bf16 cache and a head size the tiles take, a prefill's SDPA
+    (a fresh prompt, and a chunk behind a context) runs on bf16 queries, keys and values: within bf16's
+    error of fp64, and visibly off fp32's. Everywhere else it stays in fp32 (the vector loops' ISA, the
+    exact mode's fp32 cache, other head sizes, the pure-torch backend). AMX is simulated where the CPU
+    lacks it (bf16 SDPA runs anywhere); the step has no decodes, so the kernel itself never runs."""
+    if case == "avx512":
+        force_isa("avx512")
+    else:
+        monkeypatch.setattr(native, "attention_isa", lambda: native.AMX)
+    d = 20 if case == "head-20" else 64
+    kv_dtype = torch.float32 if case == "fp32-cache" else torch.bfloat16
+    seqs = [(0, 40), (50, 30)]
+    meta, k_cache, v_cache, query, key, value = step(seqs, 6, 2, d, 16, kv_dtype, torch.Generator().manual_seed(5), 1.0)
+    backend = TorchAttentionBackend(native=case != "torch-only")
+    got = backend.forward(query, key, value, k_cache, v_cache, backend.prepare(meta), d ** -0.5)
+    want = dense_reference(query, k_cache.float(), v_cache.float(), meta, d ** -0.5)
+    if case == "amx":
+        assert 1e-4 < (got.double() - want.double()).abs().max().item() < 2e-2
+    else:
+        torch.testing.assert_close(got, want.float(), atol=2e-5, rtol=2e-5)

@@ -200,7 +200,9 @@ class TorchAttentionBackend:
     def _prefill_attention(self, query, key, value, k_cache, v_cache, p: PrefillChunk, scale: float,
                            window: int | None, softcap: float | None, sink: torch.Tensor | None) -> torch.Tensor:
         nh, hd = k_cache.shape[-2:]
-        q = query[p.rows].transpose(0, 1).unsqueeze(0)                         # [1, Hq, n, D]: 4-D is SDPA's fast path
+        plain = self.native and softcap is None and sink is None       # (a sink comes with fp8 caches only)
+        dt = cpu_attention.prefill_dtype(k_cache.dtype, query) if plain else query.dtype
+        q = query[p.rows].transpose(0, 1).unsqueeze(0).to(dt)                  # [1, Hq, n, D]: 4-D is SDPA's fast path
         mask = p.mask_for(window, q.device)
         if p.blocks is None:                                                   # fresh: no cached context
             k, v = key[p.rows], value[p.rows]
@@ -215,7 +217,7 @@ class TorchAttentionBackend:
             mask = mask[:, lo * bs:]
         o = _attend(q, k.transpose(0, 1).unsqueeze(0).to(q.dtype), v.transpose(0, 1).unsqueeze(0).to(q.dtype), mask,
                     scale, softcap)
-        return o.squeeze(0).transpose(0, 1)
+        return o.squeeze(0).transpose(0, 1).to(query.dtype)
 
 
 def _with_sink(k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None,
