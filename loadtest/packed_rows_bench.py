@@ -41,7 +41,9 @@ def packed_weights(llm) -> list[PackedWeight]:
     return list(seen.values())
 
 
-def _ms(fn, repeats: int = 7) -> float:
+def median_ms(fn, repeats: int = 7) -> float:
+    """fn's median wall time in ms over `repeats` calls, after one warm-up call."""
+    fn()
     ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -59,8 +61,8 @@ def sweep(weights: list[PackedWeight], rows_list: list[int]) -> None:
     print(f"{'rows':>5} {'native ms':>10} {'bf16 ms':>8}   ({len(layers)} decoder products)")
     for rows in rows_list:
         xs = {k: torch.randn(rows, k, generator=g) for k in {w.shape[1] for w in layers}}
-        nat = _ms(lambda: [w._native_gemm(lib, xs[w.shape[1]], None) for w in layers])
-        low = _ms(lambda: [low_precision_linear(xs[w.shape[1]], w.expanded, None) for w in layers])
+        nat = median_ms(lambda: [w._native_gemm(lib, xs[w.shape[1]], None) for w in layers])
+        low = median_ms(lambda: [low_precision_linear(xs[w.shape[1]], w.expanded, None) for w in layers])
         print(f"{rows:>5} {nat:>10.2f} {low:>8.2f}")
 
 

@@ -24,19 +24,10 @@ import torch.nn.functional as F
 
 from gpu_worker.attention import cpu_attention
 from loadtest import pagedserve_runs
+from loadtest.packed_rows_bench import median_ms
 from loadtest.workload import load_workload
 
 HQ, HKV, D, CHUNK = 9, 3, 64, 64
-
-
-def _ms(fn, n: int = 20) -> float:
-    fn()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
 
 
 def _sdpa(q, k, v, mask, dtype):
@@ -54,12 +45,13 @@ def sdpa_rows(lens: list[int]) -> None:
         q, k, v = (torch.randn(n, h, D, generator=g).transpose(0, 1).unsqueeze(0) for h in (HQ, HKV, HKV))
         qc = torch.randn(CHUNK, HQ, D, generator=g).transpose(0, 1).unsqueeze(0)
         mask = torch.arange(n)[None, :] <= torch.arange(n - CHUNK, n)[:, None] if n >= CHUNK else None
-        f32, b16 = _ms(lambda: _sdpa(q, k, v, None, torch.float32)), _ms(lambda: _sdpa(q, k, v, None, torch.bfloat16))
+        f32 = median_ms(lambda: _sdpa(q, k, v, None, torch.float32), 20)
+        b16 = median_ms(lambda: _sdpa(q, k, v, None, torch.bfloat16), 20)
         diff = (_sdpa(q, k, v, None, torch.bfloat16) - _sdpa(q, k, v, None, torch.float32)).abs().max().item()
         line = f"{n:>5} {f32:>10.3f} {b16:>7.3f} {f32 / b16:>5.2f}x {diff:>9.2e} | "
         if mask is not None:
-            c32 = _ms(lambda: _sdpa(qc, k, v, mask, torch.float32))
-            c16 = _ms(lambda: _sdpa(qc, k, v, mask, torch.bfloat16))
+            c32 = median_ms(lambda: _sdpa(qc, k, v, mask, torch.float32), 20)
+            c16 = median_ms(lambda: _sdpa(qc, k, v, mask, torch.bfloat16), 20)
             line += f"{c32:>10.3f} {c16:>7.3f} {c32 / c16:>5.2f}x"
         print(line)
 

@@ -35,9 +35,10 @@ class NativeRuns:
 
 def prefill_dtype(cache_dtype: torch.dtype, query: torch.Tensor) -> torch.dtype:
     """The dtype a prefill's SDPA runs in. Where the bf16 tiles run decodes (AMX, a bf16 cache, fp32
-    queries of a head size the tiles take: --dtype auto), prefills round queries, keys and values to bf16 too, and torch's flash kernel
-    runs them on AMX: 2.2-2.6x faster at 256-512 tokens, the same at 64 (results/prefill_bf16_2026-12-06.txt).
-    Elsewhere the query's own dtype (the fp32 exact mode stays exact)."""
+    queries of a head size the tiles take: --dtype auto), prefills round queries, keys and values to bf16
+    too, and torch's flash kernel runs them on AMX: 2.1-2.4x faster at 256-512 tokens, the same at 64
+    (loadtest/results/prefill_bf16_2026-12-06.txt). Elsewhere the query's own dtype (the fp32 exact mode
+    stays exact)."""
     if cache_dtype == torch.bfloat16 and query.dtype == torch.float32 and query.shape[-1] in AMX_HEAD_DIMS \
             and usable(query.device) and native.attention_isa() == native.AMX:
         return torch.bfloat16

@@ -6,8 +6,8 @@ a byte; anything else takes a byte. On the CPU the native kernel (gpu_worker/ker
 in registers for steps of up to `GEMM_MAX_ROWS[isa]` rows, where reading fewer bytes is the whole win; larger
 steps expand the weight once into fp32 and use the BLAS GEMM, or, in `--dtype auto` on bf16 hardware,
 run on a bf16 copy held once (keep_expanded; on AMX that copy takes every step beyond AMX_NATIVE_MAX_ROWS);
-without the native library the same expansion is done in torch, slower, with the same values. On CUDA a Triton GEMM (kernels/triton_qgemm)
-dequantizes each weight tile in registers.
+without the native library the same expansion is done in torch, slower, with the same values. On CUDA a
+Triton GEMM (kernels/triton_qgemm) dequantizes each weight tile in registers.
 """
 from __future__ import annotations
 
@@ -188,9 +188,9 @@ class PackedWeight:
         """Hold a `dtype` expansion of the weights (on the CPU) for the steps the native kernel does not
         run: with bf16 matrix hardware a bf16 GEMM beats expanding to fp32 at every call by 3-4x
         (gpu_worker/cpu_precision.py). The packed copy stays for the small steps, where reading half a
-        byte a weight is the win; `native_max_rows` is where that ends, when the expansion runs faster than
-        the fp32 GEMM does (AMX_NATIVE_MAX_ROWS). A table shared by the embedding and the lm_head is
-        expanded once."""
+        byte a weight is the win; `native_max_rows`, when given, is the largest step the kernel keeps
+        because the expansion is faster beyond it (AMX_NATIVE_MAX_ROWS). A table shared by the embedding
+        and the lm_head is expanded once."""
         if self.q.device.type != "cpu":
             return
         if self.expanded is None or self.expanded.dtype != dtype:
