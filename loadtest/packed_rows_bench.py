@@ -1,20 +1,22 @@
-"""Where the native packed kernel should hand a step to the bf16 expansion (--dtype auto on bf16 hardware).
+"""Which kernel should run a packed (GGUF) step of each size in --dtype auto on bf16 hardware.
 
-    python -m loadtest.packed_rows_bench [--rows 1,4,8,9,12,16,24,32,64] [--step-batches 9,12,16,24,32]
-                                         [--e2e-limits 8,32] [--repeats 2]
+    python -m loadtest.packed_rows_bench [--rows 1,4,8,9,12,16,24,32,64,96,128] [--step-batches 9,12,16,24,32]
+                                         [--e2e-limits 8:0,8:128] [--repeats 2]
 
-1. The default model's 120 packed decoder products at each row count: the native kernel
-   (PackedWeight._native_gemm) against the bf16 expansion (low_precision_linear on PackedWeight.expanded),
-   median of 7 passes, in ms. Where native stops winning is AMX_NATIVE_MAX_ROWS
-   (gpu_worker/quantization/packed.py). ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 shows a CPU with AVX512-BF16
-   but no AMX.
-2. Whole decode steps: --step-batches B sequences of 120-token prompts decode 24 tokens, with the native
-   limit at each of --e2e-limits in turn (3 rounds, alternated); median step time of the steps that
-   decode exactly B tokens. An empty list skips a section.
+1. The default model's 120 packed decoder products, and the lm_head, at each row count: the native vector
+   kernel (PackedWeight._native_gemm), the bf16 expansion (low_precision_linear on PackedWeight.expanded)
+   and, on AMX, the tile kernel (PackedWeight._tiles_gemm), median of 7 passes, in ms. Where native stops
+   winning is AMX_NATIVE_MAX_ROWS, where the tiles stop AMX_TILE_MAX_ROWS (gpu_worker/quantization/packed.py).
+   ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 shows a CPU with AVX512-BF16 but no AMX.
+2. Whole decode steps: --step-batches B sequences of 120-token prompts decode 24 tokens, under each arm of
+   --e2e-limits in turn (3 rounds, alternated); median step time of the steps that decode exactly B
+   tokens. An empty list skips a section.
 3. End to end: the shared workload's 96 requests submitted at once (max_num_seqs 64, as the bench's
-   offline row) with each native row limit of --e2e-limits set on every packed weight, arms alternated
-   --repeats times in one engine with prefix caching off (a second pass would find every prompt cached),
-   output tok/s each; outputs of the arms are compared token for token.
+   offline row) under each arm of --e2e-limits set on every packed weight, arms alternated --repeats times
+   in one engine with prefix caching off (a second pass would find every prompt cached), output tok/s
+   each; outputs of the arms are compared token for token.
+An arm N:T runs steps of up to N rows on the native kernel and up to T on the tiles (0: none), the rest
+on the bf16 expansion.
 """
 from __future__ import annotations
 
@@ -53,20 +55,36 @@ def median_ms(fn, repeats: int = 7) -> float:
 
 
 def sweep(weights: list[PackedWeight], rows_list: list[int]) -> None:
-    layers = [w for w in weights if w.expanded is not None and w.shape[0] < 40000]     # not the lm_head
+    expanded = [w for w in weights if w.expanded is not None]
+    layers = [w for w in expanded if w.shape[0] < 40000]
     if not layers:
         print("no bf16 expansion here (no bf16 hardware, or --dtype float32): nothing to compare")
         return
     lib, g = native.library(), torch.Generator().manual_seed(0)
-    print(f"{'rows':>5} {'native ms':>10} {'bf16 ms':>8}   ({len(layers)} decoder products)")
+    kernels = {"native": lambda w, x: w._native_gemm(lib, x, None),
+               "bf16": lambda w, x: low_precision_linear(x, w.expanded, None)}
+    if native.uses_amx():
+        kernels["tiles"] = lambda w, x: w._tiles_gemm(lib, x, None)
+    parts = {f"{len(layers)} decoder products": layers, "lm_head": [w for w in expanded if w.shape[0] >= 40000]}
+    parts = {name: ws for name, ws in parts.items() if ws}
+    print(f"{'rows':>5} " + " | ".join(" ".join(f"{k:>7}" for k in kernels) + f"  ({name}, ms)" for name in parts))
     for rows in rows_list:
-        xs = {k: torch.randn(rows, k, generator=g) for k in {w.shape[1] for w in layers}}
-        nat = median_ms(lambda: [w._native_gemm(lib, xs[w.shape[1]], None) for w in layers])
-        low = median_ms(lambda: [low_precision_linear(xs[w.shape[1]], w.expanded, None) for w in layers])
-        print(f"{rows:>5} {nat:>10.2f} {low:>8.2f}")
+        xs = {k: torch.randn(rows, k, generator=g) for k in {w.shape[1] for w in expanded}}
+        cells = [" ".join(f"{median_ms(lambda: [fn(w, xs[w.shape[1]]) for w in ws]):>7.2f}" for fn in kernels.values())
+                 for ws in parts.values()]
+        print(f"{rows:>5} " + " | ".join(c + " " * (len(name) + 7) for c, name in zip(cells, parts)))
 
 
-def decode_steps(llm, weights: list[PackedWeight], batches: list[int], limits: list[int]) -> None:
+def set_limits(weights: list[PackedWeight], arm: tuple[int, int]) -> None:
+    for w in weights:
+        w.native_max_rows, w.tiles_max_rows = arm
+
+
+def arm_name(arm: tuple[int, int]) -> str:
+    return f"native to {arm[0]}, tiles to {arm[1]} rows"
+
+
+def decode_steps(llm, weights: list[PackedWeight], batches: list[int], limits: list[tuple[int, int]]) -> None:
     from gpu_worker import model_runner
     times: list[float] = []
     execute, want = model_runner.ModelRunner.execute, {"rows": 0}
@@ -82,37 +100,32 @@ def decode_steps(llm, weights: list[PackedWeight], batches: list[int], limits: l
     try:
         for b in batches:
             prompts = [{"prompt_token_ids": torch.randint(1000, 40000, (120,), generator=g).tolist()} for _ in range(b)]
-            per: dict[int, list[float]] = {n: [] for n in limits}
+            per: dict[tuple[int, int], list[float]] = {n: [] for n in limits}
             for _ in range(3):
                 for n in limits:
-                    for w in weights:
-                        w.native_max_rows = n
+                    set_limits(weights, n)
                     times.clear()
                     want["rows"] = b
                     llm.generate(prompts, pagedserve_runs.greedy(24), use_tqdm=False)
                     per[n].append(statistics.median(times))
-            print(f"  batch {b:>3}: " + ", ".join(f"native up to {n} rows {statistics.median(per[n]) * 1e3:6.2f} ms"
+            print(f"  batch {b:>3}: " + ", ".join(f"{arm_name(n)} {statistics.median(per[n]) * 1e3:6.2f} ms"
                                                for n in limits))
     finally:
         model_runner.ModelRunner.execute = execute
 
 
-def end_to_end(llm, weights: list[PackedWeight], limits: list[int], repeats: int) -> None:
-    def limit(n: int):
-        def setup() -> None:
-            for w in weights:
-                w.native_max_rows = n
-        return setup
-    pagedserve_runs.alternate_arms(llm, load_workload(), {f"native up to {n} rows": limit(n) for n in limits},
-                                   repeats)
+def end_to_end(llm, weights: list[PackedWeight], limits: list[tuple[int, int]], repeats: int) -> None:
+    arms = {arm_name(n): (lambda n=n: set_limits(weights, n)) for n in limits}
+    pagedserve_runs.alternate_arms(llm, load_workload(), arms, repeats)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",") if x]    # noqa: E731
-    p.add_argument("--rows", type=ints, default=[1, 4, 8, 9, 12, 16, 24, 32, 64])
+    pairs = lambda s: [tuple(int(v) for v in x.split(":")) for x in s.split(",") if x]    # noqa: E731
+    p.add_argument("--rows", type=ints, default=[1, 4, 8, 9, 12, 16, 24, 32, 64, 96, 128])
     p.add_argument("--step-batches", type=ints, default=[9, 12, 16, 24, 32])
-    p.add_argument("--e2e-limits", type=ints, default=[8, 32])
+    p.add_argument("--e2e-limits", type=pairs, default=[(8, 0), (8, 128)])
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
     llm = pagedserve_runs.make_llm(max_num_seqs=64, enable_prefix_caching=False)

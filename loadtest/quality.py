@@ -6,9 +6,10 @@ mean KL divergence, on the shared workload (#16: "the quality of every fast mode
 The reference (`--dtype float32`) first decodes each prompt greedily for `--new-tokens` tokens; every
 mode then reads prompt + continuation in one prefill with prompt_logprobs on, and each position of the
 continuation (the fp32 greedy path) is compared: how often the mode's most likely token is the
-reference's, and KL(reference || mode) in nats. A prefill step has hundreds of rows, so this measures
-the large-step path (bf16 GEMMs under `--dtype auto` on a CPU with bf16 hardware); decode steps of a few
-rows stay on the packed fp32 kernel and are at least this close.
+reference's, and KL(reference || mode) in nats. Steps are prefill chunks of 64 rows (ENGINE), the
+packed weights' bf16 path under `--dtype auto` on a CPU with bf16 hardware (the AMX tile kernel where it
+runs); "steps of 512 rows" measures the bf16 copy's GEMM of larger chunks. Decode steps of up to 8 rows
+stay on the packed fp32 kernel and are at least this close.
 """
 from __future__ import annotations
 
@@ -25,32 +26,45 @@ from pagedserve import LLM, SamplingParams
 MODES: dict[str, dict[str, Any]] = {        # row: engine arguments; the first row is the reference
     "float32 (reference)": dict(dtype="float32"),
     "auto (the default)": dict(),
+    "auto, steps of 512 rows": dict(max_num_batched_tokens=512),
     "auto, fp32 KV cache": dict(kv_cache_dtype="float32"),
     "bfloat16 throughout": dict(dtype="bfloat16"),
 }
 # Prefill in chunks of 64 rows: each chunk reads the earlier ones from the KV cache, in the cache dtype, as
-# decodes do, and 64 rows are beyond the packed kernel (GEMM_MAX_ROWS), so the GEMMs run the large-step path.
+# decodes do, and 64 rows are beyond the packed vector kernel (GEMM_MAX_ROWS): under --dtype auto on AMX
+# they run on the tile kernel, as decode steps of 9-128 sequences do (AMX_TILE_MAX_ROWS). The row with
+# steps of 512 rows measures the bf16 copy's GEMM, which takes the larger prefill chunks.
 ENGINE = dict(kv_cache_memory=0.25, swap_space=0, max_num_batched_tokens=64, enable_prefix_caching=False)
 
 
 class LogitTap:
-    """Every logits row the engine computes for one request, in order: with prompt_logprobs on and the
-    whole prompt in one chunk, the prompt rows then the last position's, i.e. one row per position."""
+    """Every logits row the engine computes for one request, in position order: with prompt_logprobs on,
+    each chunk's prompt rows, then the last position's (sampled) row. The runner computes a step's sampled
+    row before its prompt rows, so that row is held apart and appended last: otherwise the last chunk's
+    rows come out shifted by one, which only matched the reference's when both chunked alike."""
 
     def __init__(self, llm: LLM):
-        self.llm, self.rows = llm, []
-        model = llm.engine.executor.runner.model
-        inner = model.compute_logits
-        model.compute_logits = lambda hidden: self._keep(inner(hidden))
+        self.llm, self.rows, self.sampled, self._sampling = llm, [], [], False
+        runner = llm.engine.executor.runner
+        inner, sample = runner.model.compute_logits, runner._sample
+        runner.model.compute_logits = lambda hidden: self._keep(inner(hidden))
+
+        def sampling(*args):
+            self._sampling = True
+            try:
+                return sample(*args)
+            finally:
+                self._sampling = False
+        runner._sample = sampling
 
     def _keep(self, logits: torch.Tensor) -> torch.Tensor:
-        self.rows.append(logits.float())
+        (self.sampled if self._sampling else self.rows).append(logits.float())
         return logits
 
     def logprobs(self, prompt: list[int]) -> torch.Tensor:
-        self.rows = []
+        self.rows, self.sampled = [], []
         self.llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-        out = torch.cat(self.rows).log_softmax(-1)
+        out = torch.cat(self.rows + self.sampled).log_softmax(-1)
         assert out.shape[0] == len(prompt), f"{out.shape[0]} logits rows for a {len(prompt)}-token prompt"
         return out
 

@@ -88,9 +88,10 @@ def test_packed_weights_keep_the_kernel_for_small_steps_and_bf16_beyond():
 @pytest.mark.unit
 @pytest.mark.parametrize("feature", ["amx_bf16", "avx512_bf16", "forced"])
 def test_with_amx_the_bf16_expansion_takes_every_step_beyond_eight_rows(feature, monkeypatch):
-    """On AMX tiles the bf16 expansion beats the native kernel from 9 rows (AMX_NATIVE_MAX_ROWS); with
-    AVX512-BF16 dot products alone it does not, and the kernel keeps GEMM_MAX_ROWS. Which path ran is seen
-    in the numbers: the kernel's fp32 products equal the packed weight's own, the expansion's do not."""
+    """On AMX tiles bf16 weights (the tile kernel, then the copy: tests/test_qgemm_amx.py) beat the native
+    kernel from 9 rows (AMX_NATIVE_MAX_ROWS); with AVX512-BF16 dot products alone they do not, and the
+    kernel keeps GEMM_MAX_ROWS. Which path ran is seen in the numbers: the kernel's fp32 products equal the
+    packed weight's own, bf16 weights' do not."""
     from gpu_worker.quantization import packed_linear
     from gpu_worker.quantization.packed import AMX_NATIVE_MAX_ROWS
     from gpu_worker.quantization import linear_method

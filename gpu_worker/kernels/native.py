@@ -1,5 +1,6 @@
-"""Builds and loads the C++ CPU kernels (qgemm.cpp: quantized matmuls; paged_attention.cpp:
-attention on the paged KV cache; rms_norm.cpp; fp8_round.cpp: keys into an fp8 cache) and says which instruction set they may use.
+"""Builds and loads the C++ CPU kernels (qgemm.cpp: quantized matmuls; qgemm_amx.cpp: the same on AMX
+tiles; paged_attention.cpp: attention on the paged KV cache; rms_norm.cpp; fp8_round.cpp: keys into an
+fp8 cache) and says which instruction set they may use.
 
 The library is plain C ABI loaded with ctypes, so it needs no torch headers and builds in seconds with
 the system g++ during scripts/setup.sh (`python -m gpu_worker.kernels.native`). It links OpenMP by
@@ -23,10 +24,11 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "qgemm.cpp", HERE / "paged_attention.cpp", HERE / "rms_norm.cpp", HERE / "fp8_round.cpp")
-HEADERS = (HERE / "fp8.h",)
+SOURCES = (HERE / "qgemm.cpp", HERE / "qgemm_amx.cpp", HERE / "paged_attention.cpp", HERE / "rms_norm.cpp",
+           HERE / "fp8_round.cpp")
+HEADERS = (HERE / "fp8.h", HERE / "qweights.h", HERE / "amx.h")
 LIBRARY = HERE / "_build" / "libpsq.so"
-ABI_VERSION = 9
+ABI_VERSION = 10
 ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}     # the levels every kernel has
 AMX = 3    # above avx512, the attention kernel's own: AMX-BF16 tiles for bf16 caches (attention_isa)
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
@@ -76,6 +78,12 @@ def attention_isa() -> int:
     return _attention_isa
 
 
+def uses_amx() -> bool:
+    """Whether the kernels that have an AMX-BF16 form (attention on a bf16 cache, the packed matmul in
+    --dtype auto) use it here: attention_isa() is AMX."""
+    return attention_isa() == AMX
+
+
 def reread_isa_cap() -> None:
     global _isa, _attention_isa
     _isa = _attention_isa = None
@@ -117,6 +125,8 @@ def library() -> ctypes.CDLL | None:
     lib.psq_gemm.restype = None
     lib.psq_dequantize.argtypes = [p, p, p, i, i, i, i, p, i]
     lib.psq_dequantize.restype = None
+    lib.psq_gemm_amx.argtypes = [p, i, i, p, p, p, i, i, i, p, p]
+    lib.psq_gemm_amx.restype = i
     f = ctypes.c_float
     lib.psq_paged_attention.argtypes = [p, p, p, i, p, i, p, p, i, i, i, i, i, f, p, i, f, p, i]
     lib.psq_paged_attention.restype = i

@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "amx.h"
 #include "fp8.h"
 
 namespace {
@@ -354,13 +355,7 @@ __attribute__((always_inline)) inline void accumulate_rows(int R, float* const* 
 // sums stay fp32): this path runs only where the engine already keeps bf16 (`--dtype auto` on such a
 // CPU). Every score and output element is a sum over the same pairs in the same order whatever the rows
 // beside it, so a token's attention stays the same alone, among drafts and in any batch.
-#define PSQ_AMX_TARGET "avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16"
 
-struct TileConfig {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
 // Tiles: keys, query pairs, scores; weights, value pairs, two output tiles (16 columns each). Macros: GCC's
 // tile intrinsics paste the number into the instruction's text.
 #define T_K 0
@@ -378,16 +373,8 @@ __attribute__((target(PSQ_AMX_TARGET))) inline void configure_tiles(Scratch& s, 
     c.palette = 1;
     const int shapes[7][2] = {{16, 64}, {16, 4 * R}, {16, 4 * R}, {R, 64}, {16, 64}, {R, 64}, {R, 64}};
     for (int t = 0; t < 7; ++t) c.rows[t] = (uint8_t)shapes[t][0], c.colsb[t] = (uint16_t)shapes[t][1];
-    _tile_loadconfig(&c);
+    load_tiles(c);
     s.tile_rows = R;
-}
-
-// Another library's tiles (oneDNN, torch) are left as they were found: each thread saves the
-// configuration before the kernel and restores it (or releases the tiles) after.
-__attribute__((target(PSQ_AMX_TARGET), noinline)) void tiles_save(TileConfig* c) { _tile_storeconfig(c); }
-__attribute__((target(PSQ_AMX_TARGET), noinline)) void tiles_restore(const TileConfig* c) {
-    if (c->palette) _tile_loadconfig(c);
-    else _tile_release();
 }
 
 // sc[r][t] = q[r] . k[t] for R <= 16 rows from r0 and the keys t in [0, hi) (hi a multiple of 32; keys

@@ -5,7 +5,8 @@ w[n, k] = scale[n, g] * q[n, k] + offset[n, g]. Values 0..15 (with K a multiple 
 a byte; anything else takes a byte. On the CPU the native kernel (gpu_worker/kernels) expands the values
 in registers for steps of up to `GEMM_MAX_ROWS[isa]` rows, where reading fewer bytes is the whole win; larger
 steps expand the weight once into fp32 and use the BLAS GEMM, or, in `--dtype auto` on bf16 hardware,
-run on a bf16 copy held once (keep_expanded; on AMX that copy takes every step beyond AMX_NATIVE_MAX_ROWS);
+run on a bf16 copy held once (keep_expanded; on AMX a tile kernel takes the steps from AMX_NATIVE_MAX_ROWS
+to AMX_TILE_MAX_ROWS on the packed weights, and the copy those beyond);
 without the native library the same expansion is done in torch, slower, with the same values. On CUDA a
 Triton GEMM (kernels/triton_qgemm) dequantizes each weight tile in registers.
 """
@@ -32,6 +33,15 @@ GEMM_MAX_ROWS = {0: 16, 1: 40, 2: 32}
 # at AVX512_CORE_BF16) bf16 took 44 ms at 32 rows against native's 42, so GEMM_MAX_ROWS stays there
 # (loadtest/results/packed_rows_2026-12-06.txt).
 AMX_NATIVE_MAX_ROWS = 8
+# With AMX tiles the native library's tile kernel (kernels/qgemm_amx.cpp) runs the steps from there up to
+# this many rows on the packed weights, expanding each weight once a step into bf16 (the values of the
+# bf16 copy): SmolLM2's 120 decoder products took 11.3 ms against the copy's 20.1 at 16 rows, 13.0 against
+# 23.3 at 32, 18.6 against 29.4 at 64 and 37.9 against 39.7 at 128; decode steps of 16 sequences 1.49x
+# faster, the offline workload 1.10x (loadtest/results/packed_tiles_2026-12-06.txt). The tiles beat the
+# vector kernel from about 6 rows, but up to 8 stay on it so that a speculative step of k + 1 <= 8 rows
+# reproduces plain decoding bit for bit. Larger steps (prefill chunks) are bound by arithmetic, where
+# oneDNN's GEMM on the copy catches up.
+AMX_TILE_MAX_ROWS = 128
 FP8_BITS = 9         # q holds float8_e4m3fn bytes (the native kernel's code for them)
 
 
@@ -92,6 +102,7 @@ class PackedWeight:
     perm: torch.Tensor | None = None    # int64 [K]: the input order of the stored columns (GroupQuant.perm)
     expanded: torch.Tensor | None = None    # CPU: bf16, prepacked, for steps beyond the native kernel's rows
     native_max_rows: int | None = None      # the native kernel's last step size, if not GEMM_MAX_ROWS[isa]
+    tiles_max_rows: int = 0                 # the AMX tile kernel's last step size (0: it is not used)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -171,6 +182,8 @@ class PackedWeight:
         lib = native.library() if x.device.type == "cpu" else None
         if lib is not None and x2.shape[0] <= self.max_native_rows():
             y = self._native_gemm(lib, x2, bias)
+        elif lib is not None and x2.shape[0] <= self.tiles_max_rows:
+            y = self._tiles_gemm(lib, x2, bias)
         elif self.expanded is not None:
             y = low_precision_linear(x2, self.expanded, bias)
         else:
@@ -184,24 +197,34 @@ class PackedWeight:
         isa_rows = GEMM_MAX_ROWS[native.cpu_isa()]
         return isa_rows if self.native_max_rows is None else min(isa_rows, self.native_max_rows)
 
-    def keep_expanded(self, dtype: torch.dtype, native_max_rows: int | None = None) -> None:
+    def keep_expanded(self, dtype: torch.dtype, native_max_rows: int | None = None, tiles_max_rows: int = 0) -> None:
         """Hold a `dtype` expansion of the weights (on the CPU) for the steps the native kernel does not
         run: with bf16 matrix hardware a bf16 GEMM beats expanding to fp32 at every call by 3-4x
         (gpu_worker/cpu_precision.py). The packed copy stays for the small steps, where reading half a
         byte a weight is the win; `native_max_rows`, when given, is the largest step the kernel keeps
-        because the expansion is faster beyond it (AMX_NATIVE_MAX_ROWS). A table shared by the embedding
-        and the lm_head is expanded once."""
+        because the expansion is faster beyond it (AMX_NATIVE_MAX_ROWS); `tiles_max_rows`, the largest
+        step the AMX tile kernel then takes before the copy does (AMX_TILE_MAX_ROWS; only where
+        native.uses_amx()). A table shared by the embedding and the lm_head is expanded once."""
         if self.q.device.type != "cpu":
             return
         if self.expanded is None or self.expanded.dtype != dtype:
             self.expanded = prepack_bf16(self._dequantize_fast(native.library()).to(dtype))
         self.native_max_rows = native_max_rows
+        self.tiles_max_rows = tiles_max_rows if dtype == torch.bfloat16 and native.uses_amx() else 0
 
     def _native_gemm(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q, scale, offset, n, group, bits = self._call
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         lib.psq_gemm(x.data_ptr(), x.shape[0], x.shape[1], q, scale, offset, n, group, bits,
                      None if bias is None else bias.data_ptr(), y.data_ptr(), native.cpu_isa())
+        return y
+
+    def _tiles_gemm(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T on AMX tiles: x and each weight rounded to bf16 as the copy holds them, sums in fp32."""
+        q, scale, offset, n, group, bits = self._call
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        lib.psq_gemm_amx(x.data_ptr(), x.shape[0], x.shape[1], q, scale, offset, n, group, bits,
+                         None if bias is None else bias.data_ptr(), y.data_ptr())
         return y
 
     def _dequantize_fast(self, lib: ctypes.CDLL | None, scratch: bool = False) -> torch.Tensor:

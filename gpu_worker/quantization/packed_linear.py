@@ -15,7 +15,8 @@ import torch
 
 from gpu_worker.cpu_precision import bf16_hardware
 from gpu_worker.layers.linear import Linear, LinearMethod
-from gpu_worker.quantization.packed import AMX_NATIVE_MAX_ROWS, GroupQuant, PackedWeight, QuantizedTensor
+from gpu_worker.quantization.packed import (AMX_NATIVE_MAX_ROWS, AMX_TILE_MAX_ROWS, GroupQuant, PackedWeight,
+                                            QuantizedTensor)
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,10 @@ class PackedLinearMethod(LinearMethod):
     def use_matmul_dtype(self, layer: Linear, dtype: torch.dtype) -> None:
         if layer.packed is not None:
             amx = dtype == torch.bfloat16 and bf16_hardware() == "amx_bf16"
-            layer.packed.keep_expanded(dtype, AMX_NATIVE_MAX_ROWS if amx else None)
+            if amx:
+                layer.packed.keep_expanded(dtype, AMX_NATIVE_MAX_ROWS, AMX_TILE_MAX_ROWS)
+            else:
+                layer.packed.keep_expanded(dtype)
         elif "weight" in layer._parameters:      # a layer that stayed plain
             super().use_matmul_dtype(layer, dtype)
 
