@@ -73,6 +73,27 @@ def prepare(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc:
                       q_start)
 
 
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> bool:
+    """Key and value rows [T, Hkv, D] into the fp32 or bf16 cache's `slots` in one native call
+    (kv_write.cpp: the conversions and index_copy_ of torch's four ops, the same bytes); False where it
+    does not take them (another dtype, fp32 rows whose heads are not side by side, no library)."""
+    lib = native.library() if k_cache.device.type == "cpu" else None
+    code = KV_DTYPE_CODES.get(k_cache.dtype)
+    if lib is None or code not in (0, 1) or v_cache.dtype != k_cache.dtype or slots.dtype != torch.int64 or \
+            not slots.is_contiguous() or not all(_rows_of_heads(t, k_cache) for t in (key, value)):
+        return False
+    n = key.shape[1] * key.shape[2]
+    return lib.psq_kv_write(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), key.shape[0], n,
+                            slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), code, native.cpu_isa()) == 0
+
+
+def _rows_of_heads(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """x fp32 [T, Hkv, D] matching the cache's heads, each row's entries contiguous."""
+    return x.dtype == torch.float32 and x.dim() == 3 and tuple(x.shape[1:]) == tuple(cache.shape[-2:]) and \
+        x.stride(2) == 1 and x.stride(1) == x.shape[2] and cache.is_contiguous()
+
+
 def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, nr: NativeRuns,
            scale: float, window: int | None = None, softcap: float | None = None,
            sink: torch.Tensor | None = None) -> torch.Tensor:

@@ -151,6 +151,8 @@ class TorchAttentionBackend:
 
     def write_kv(self, key, value, k_cache, v_cache, meta: TorchAttentionMetadata, k_scale: float = 1.0,
                  v_scale: float = 1.0, k_feedback: torch.Tensor | None = None) -> None:
+        if cpu_attention.write_kv(key, value, k_cache, v_cache, meta.slot_mapping):
+            return
         nh, hd = k_cache.shape[-2:]
         index_copy_rows(k_cache.view(-1, nh, hd), meta.slot_mapping, to_cache(key, k_cache.dtype, k_scale, k_feedback))
         index_copy_rows(v_cache.view(-1, nh, hd), meta.slot_mapping, to_cache(value, v_cache.dtype, v_scale))

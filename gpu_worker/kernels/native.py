@@ -1,6 +1,7 @@
 """Builds and loads the C++ CPU kernels (qgemm.cpp: quantized matmuls; qgemm_amx.cpp: the same on AMX
-tiles; paged_attention.cpp: attention on the paged KV cache; rms_norm.cpp; fp8_round.cpp: keys into an
-fp8 cache) and says which instruction set they may use.
+tiles; paged_attention.cpp: attention on the paged KV cache; fp8_round.cpp: keys into an fp8 cache; and
+a decoder layer's glue, each one pass instead of several torch ops: rms_norm.cpp (with the residual add
+before it), rope.cpp, silu_mul.cpp, kv_write.cpp) and says which instruction set they may use.
 
 The library is plain C ABI loaded with ctypes, so it needs no torch headers and builds in seconds with
 the system g++ during scripts/setup.sh (`python -m gpu_worker.kernels.native`). It links OpenMP by
@@ -24,11 +25,11 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "qgemm.cpp", HERE / "qgemm_amx.cpp", HERE / "paged_attention.cpp", HERE / "rms_norm.cpp",
-           HERE / "fp8_round.cpp")
-HEADERS = (HERE / "fp8.h", HERE / "qweights.h", HERE / "amx.h")
+SOURCES = tuple(HERE / f for f in ("qgemm.cpp", "qgemm_amx.cpp", "paged_attention.cpp", "rms_norm.cpp", "fp8_round.cpp",
+                                   "rope.cpp", "silu_mul.cpp", "kv_write.cpp"))
+HEADERS = (HERE / "fp8.h", HERE / "qweights.h", HERE / "amx.h", HERE / "vec8.h")
 LIBRARY = HERE / "_build" / "libpsq.so"
-ABI_VERSION = 10
+ABI_VERSION = 11
 ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}     # the levels every kernel has
 AMX = 3    # above avx512, the attention kernel's own: AMX-BF16 tiles for bf16 caches (attention_isa)
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
@@ -132,6 +133,15 @@ def library() -> ctypes.CDLL | None:
     lib.psq_paged_attention.restype = i
     lib.psq_rms_norm.argtypes = [p, i, i, p, f, p, i]
     lib.psq_rms_norm.restype = None
+    lib.psq_add_rms_norm.argtypes = [p, p, i, i, p, f, p, p, i]
+    lib.psq_add_rms_norm.restype = None
+    ll = ctypes.c_int64
+    lib.psq_rope.argtypes = [p, ll, i, p, ll, i, i, i, p, p, i, i]
+    lib.psq_rope.restype = i
+    lib.psq_silu_mul.argtypes = [p, i, i, ll, p, i]
+    lib.psq_silu_mul.restype = None
+    lib.psq_kv_write.argtypes = [p, ll, p, ll, i, i, p, p, p, i, i]
+    lib.psq_kv_write.restype = i
     lib.psq_fp8_round_feedback.argtypes = [p, p, p, i, i, i, f, i, i]
     lib.psq_fp8_round_feedback.restype = i
     lib.psq_amx_ready.argtypes = []

@@ -36,6 +36,7 @@
 
 #include "amx.h"
 #include "fp8.h"
+#include "vec8.h"
 
 namespace {
 
@@ -60,17 +61,10 @@ struct Args {
                           // cache centres that entry apart; gpu_worker/layers/kv_rotation.py)
 };
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));   // unaligned loads and stores
-
-__attribute__((always_inline)) inline v8 load8(const float* p) { return *(const v8u*)p; }
-__attribute__((always_inline)) inline void store8(float* p, v8 x) { *(v8u*)p = x; }
 // In hsum4's order, so a key's score is the same whichever of the two reduced it.
 __attribute__((always_inline)) inline float hsum(v8 x) {
     return ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
 }
-
-typedef int32_t v8i __attribute__((vector_size(32)));
 
 // Keys go by in chunks of CHUNK keys (at multiples of CHUNK), each a work item, whose sums are merged at
 // the end. They are fixed by position alone, never by the batch, the thread count or the query run, so a
@@ -104,22 +98,6 @@ __attribute__((always_inline)) inline const float* row_at(const Args& a, const v
             return buf;
         }
     }
-}
-
-// e^x, 8 at a time, for the softmax's x <= 0: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' expf
-// polynomial (about 1 ulp), times 2^n built in the exponent bits. Below -87 it gives e^-87, not 0: a
-// weight that small changes no sum it joins.
-__attribute__((always_inline)) inline v8 exp8(v8 x) {
-    x = x < -87.f ? (v8){} - 87.f : x;
-    const v8 n = (x * 1.44269504f + 12582912.f) - 12582912.f;          // round to nearest: 1.5 * 2^23
-    const v8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;          // ln 2 in two parts
-    v8 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    return p * (v8)((__builtin_convertvector(n, v8i) + 127) << 23);
 }
 
 // The largest of m and sc[0:T] (sc has room past T: the tail is padded).

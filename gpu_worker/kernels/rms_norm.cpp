@@ -36,3 +36,41 @@ extern "C" void psq_rms_norm(const float* x, int rows, int n, const float* w, fl
 #pragma omp parallel for schedule(static) if ((int64_t)rows * n > (1 << 16))
     for (int r = 0; r < rows; ++r) row(x + (int64_t)r * n, n, w, eps, y + (int64_t)r * n);
 }
+
+// The residual add fused with the norm that follows it: xo = x + d, y = rms_norm(xo) * w, in one pass
+// over each row (a decoder layer adds a sublayer's output to the residual stream, then normalizes the
+// sum for the next sublayer: two ops and an extra read of the row in torch). The sum is fp32 x + d, the
+// same float as torch's add, and the norm is norm_row's, so the result equals add-then-psq_rms_norm.
+namespace {
+
+__attribute__((always_inline)) inline void add_norm_row(const float* xr, const float* dr, int n, const float* w,
+                                                        float eps, float* xo, float* yr) {
+#pragma omp simd
+    for (int i = 0; i < n; ++i) xo[i] = xr[i] + dr[i];
+    norm_row(xo, n, w, eps, yr);
+}
+
+using AddRow = void (*)(const float*, const float*, int, const float*, float, float*, float*);
+__attribute__((target("avx512f,fma"))) void add_row_avx512(const float* x, const float* d, int n, const float* w,
+                                                           float eps, float* xo, float* y) {
+    add_norm_row(x, d, n, w, eps, xo, y);
+}
+__attribute__((target("avx2,fma"))) void add_row_avx2(const float* x, const float* d, int n, const float* w,
+                                                      float eps, float* xo, float* y) {
+    add_norm_row(x, d, n, w, eps, xo, y);
+}
+void add_row_portable(const float* x, const float* d, int n, const float* w, float eps, float* xo, float* y) {
+    add_norm_row(x, d, n, w, eps, xo, y);
+}
+
+}  // namespace
+
+extern "C" void psq_add_rms_norm(const float* x, const float* d, int rows, int n, const float* w, float eps,
+                                 float* xo, float* y, int isa) {
+    const AddRow row = isa >= 2 ? add_row_avx512 : isa == 1 ? add_row_avx2 : add_row_portable;
+#pragma omp parallel for schedule(static) if ((int64_t)rows * n > (1 << 16))
+    for (int r = 0; r < rows; ++r) {
+        const int64_t o = (int64_t)r * n;
+        row(x + o, d + o, n, w, eps, xo + o, y + o);
+    }
+}

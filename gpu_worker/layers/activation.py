@@ -1,4 +1,5 @@
-"""The MLP activations by their Hugging Face config names (hidden_act / hidden_activation)."""
+"""The MLP activations by their Hugging Face config names (hidden_act / hidden_activation), and the gated
+form the MLPs use: act(gate) * up."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -6,6 +7,8 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+
+from gpu_worker.kernels import native
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -20,3 +23,27 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in _ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not supported; expected one of {', '.join(_ACTIVATIONS)}")
     return _ACTIVATIONS[name]
+
+
+def gated(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """act(gate) * up. SwiGLU's gate and up, side by side in the fused gate_up projection's output, go
+    through the native kernel in one pass (silu_mul.cpp: within a few ulp of torch's two ops)."""
+    act = activation(name)
+    return _silu_mul if act is F.silu else lambda gate, up: act(gate) * up
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    lib = native.library() if gate.device.type == "cpu" else None
+    if lib is not None and _halves_of_one_row(gate, up):
+        rows, inter = gate.shape
+        out = torch.empty(rows, inter, dtype=torch.float32)
+        lib.psq_silu_mul(gate.data_ptr(), rows, inter, gate.stride(0), out.data_ptr(), native.cpu_isa())
+        return out
+    return F.silu(gate) * up
+
+
+def _halves_of_one_row(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """gate and up fp32 [rows, I], up the next I entries of each of gate's rows."""
+    return gate.dtype == up.dtype == torch.float32 and gate.dim() == 2 and gate.shape == up.shape and \
+        gate.stride(1) == up.stride(1) == 1 and gate.stride(0) == up.stride(0) and \
+        up.data_ptr() == gate.data_ptr() + gate.shape[1] * 4

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gpu_worker.kernels import native
+
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     # float32 throughout, as Hugging Face computes it, so fp32 runs match it bit for bit
@@ -83,9 +85,27 @@ class Rotation:
         HF's q*cos + rotate_half(q)*sin bit for bit in four ops instead of seven."""
         return self._rotate(q), self._rotate(k)
 
+    def apply_(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """apply(), in place where the native kernel takes q and k (fp32 on the CPU, each row's heads
+        side by side, as views into the fused qkv projection's output are): the same floats in one call
+        instead of eight ops. Returns the rotated q and k (new tensors where it falls back)."""
+        cos, sin = self.cos, self.sin
+        lib = native.library() if q.device.type == "cpu" else None
+        if lib is None or not all(t.dtype == torch.float32 for t in (q, k, cos, sin)) or \
+                not (_heads_side_by_side(q) and _heads_side_by_side(k) and cos.is_contiguous() and sin.is_contiguous()):
+            return self.apply(q, k)
+        rc = lib.psq_rope(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1], q.shape[0],
+                          q.shape[2], cos.data_ptr(), sin.data_ptr(), cos.shape[-1], native.cpu_isa())
+        return (q, k) if rc == 0 else self.apply(q, k)
+
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         rot = self.cos.shape[-1]
         if rot != x.shape[-1]:           # partial rotary: the tail of each head passes through
             return torch.cat((self._rotate(x[..., :rot]), x[..., rot:]), dim=-1)
         half = rot // 2
         return x * self.cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * self.sin
+
+
+def _heads_side_by_side(x: torch.Tensor) -> bool:
+    """x [T, H, D] whose rows may be apart but whose heads and entries are contiguous within a row."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]

@@ -28,9 +28,12 @@ class GemmaDecoderLayer(nn.Module):
         self.self_attn = Attention(c, dtype, layer, gemma_norm=True)
         self.mlp = MLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype)
 
-    def forward(self, x, rot, kv_cache, meta, backend):
+    def forward(self, x, rot, kv_cache, meta, backend, residual=None):
+        """(the layer's output, None): the whole stream, as the model's loop takes it (DecoderLayer)."""
+        if residual is not None:
+            x = x + residual
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rot, kv_cache, meta, backend))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), None
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

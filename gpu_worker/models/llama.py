@@ -16,7 +16,7 @@ from torch import nn
 from common.model_config import ModelConfig
 from common.tp_layout import QUANT_ALIGN, even_split, head_shard
 from gpu_worker.attention import AttentionBackend, cache_scale
-from gpu_worker.layers.activation import activation
+from gpu_worker.layers.activation import gated
 from gpu_worker.layers.embedding import VocabEmbedding, gather_logits, vocab_part
 from gpu_worker.layers.kv_rotation import KVCentres
 from gpu_worker.layers.linear import Linear
@@ -74,7 +74,7 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rot.apply(q, k)
+        q, k = rot.apply_(q, k)      # in place into the qkv output where the native kernel takes them
         r, c = self.kv_rotation, self.kv_centres
         if r is not None:         # the same orthogonal R on q, k and v: the scores and the output are unchanged
             if self.kv_centres_calibration:
@@ -108,11 +108,11 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(hidden, {"gate": intermediate, "up": intermediate}, dtype=dtype,
                                    rows={"gate": part, "up": part} if part else None)
         self.down_proj = Linear(intermediate, hidden, dtype=dtype, cols=part)
-        self.act = activation(act)
+        self.act_and_mul = gated(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act_and_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -123,9 +123,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = mlp
 
-    def forward(self, x, rot, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), rot, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rot, kv_cache, meta, backend, residual=None):
+        """Returns (the MLP's output, the residual stream it adds to): the layer's output is their sum,
+        which the next norm computes in the same pass as itself (RMSNorm.add_forward), as vLLM's layers
+        do. `residual` None: x is the whole stream (the first layer)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add_forward(residual, x)
+        h = self.self_attn(h, rot, kv_cache, meta, backend)
+        residual, h = self.post_attention_layernorm.add_forward(residual, h)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -165,11 +173,11 @@ class LlamaForCausalLM(nn.Module):
         """`meta` is what backend.prepare() returned for this step, or a list of them per layer (a model
         whose layers read different KV groups, common/kv_layout.py); the model only passes it along.
         `seq_ends` [T]: each row's sequence's known length this step (LongRoPE reads it)."""
-        x = self.embed(input_ids)
+        x, residual = self.embed(input_ids), None
         metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
         for layer, rot, kv, m in zip(self.layers, self.rotations(positions, x.dtype, seq_ends), kv_caches, metas):
-            x = layer(x, rot, kv, m, backend)
-        return self.norm(x)
+            x, residual = layer(x, rot, kv, m, backend, residual)    # the stream is x + residual
+        return self.norm(x) if residual is None else self.norm.add_forward(residual, x)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return gather_logits(self.lm_head(hidden), self.config.vocab_size)

@@ -1,0 +1,30 @@
+// Eight floats as one GCC vector (a ymm register under AVX2 / AVX-512 targets, two xmm elsewhere), and
+// e^x on them: shared by the attention softmax (paged_attention.cpp) and SwiGLU (silu_mul.cpp).
+#pragma once
+
+#include <stdint.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));   // unaligned loads and stores
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+__attribute__((always_inline)) inline v8 load8(const float* p) { return *(const v8u*)p; }
+__attribute__((always_inline)) inline void store8(float* p, v8 x) { *(v8u*)p = x; }
+
+// e^x, 8 at a time: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' expf polynomial (about 1 ulp),
+// times 2^n built in the exponent bits. x is clamped to [-87, 88], where e^x is still a normal float:
+// below, it gives e^-87, not 0 (a softmax weight that small changes no sum it joins; silu's g / (1 + e^-g)
+// is g to within a float); above, e^88, not infinity (silu's is 0 to within a float).
+__attribute__((always_inline)) inline v8 exp8(v8 x) {
+    x = x < -87.f ? (v8){} - 87.f : x;
+    x = x > 88.f ? (v8){} + 88.f : x;
+    const v8 n = (x * 1.44269504f + 12582912.f) - 12582912.f;          // round to nearest: 1.5 * 2^23
+    const v8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;          // ln 2 in two parts
+    v8 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    return p * (v8)((__builtin_convertvector(n, v8i) + 127) << 23);
+}
