@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 SOURCES = tuple(HERE / f for f in ("qgemm.cpp", "qgemm_amx.cpp", "paged_attention.cpp", "rms_norm.cpp", "fp8_round.cpp",
                                    "rope.cpp", "silu_mul.cpp", "kv_write.cpp"))
-HEADERS = (HERE / "fp8.h", HERE / "qweights.h", HERE / "amx.h", HERE / "vec8.h")
+HEADERS = (HERE / "fp8.h", HERE / "qweights.h", HERE / "amx.h", HERE / "vec8.h", HERE / "kv_prefetch.h")
 LIBRARY = HERE / "_build" / "libpsq.so"
 ABI_VERSION = 11
 ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}     # the levels every kernel has

@@ -32,10 +32,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "amx.h"
 #include "fp8.h"
+#include "kv_prefetch.h"
 #include "vec8.h"
 
 namespace {
@@ -147,6 +149,7 @@ struct Scratch {
     std::vector<uint16_t> kg, vv, pb;
     std::vector<float> cs;
     int tile_rows = -1;                         // rows of the tile configuration loaded, -1: none yet
+    KvPrefetch pf;                              // the next item's rows, pumped by this one's loops
     Scratch(int rows, int D, int heads, bool converts, bool amx)  // converts: rows are converted into kbuf / vbuf
         : kbuf(converts ? (size_t)CHUNK_KEYS * D : 0), vbuf(converts ? (size_t)CHUNK_KEYS * D : 0),
           scores((size_t)rows * SCORE_STRIDE), acc((size_t)rows * D), m(rows), l(rows), corr(rows),
@@ -219,9 +222,10 @@ __attribute__((always_inline)) inline v4 hsum4(v16 a, v16 b, v16 c, v16 d) {
 // on which rows share the pass. q rows are pre-scaled; D = W * NV.
 template <int W, int NV, int KT, int RB>
 __attribute__((always_inline)) inline void dots(const float* const* q, const void* const* k, int lo, int hi,
-                                                float* const* sc) {
+                                                float* const* sc, KvPrefetch& pf) {
     typedef typename Vec<W>::F F;
     for (int t = lo; t < hi; t += 4) {
+        pf.pump();
         F s[RB][4];
         {
             const F k0 = ld<W, KT>(k[t], 0), k1 = ld<W, KT>(k[t + 1], 0), k2 = ld<W, KT>(k[t + 2], 0),
@@ -300,13 +304,13 @@ template <int W, int NV> constexpr int acc_rows() {
 // lambda is a function of its own that would not inherit the caller's target ISA.)
 template <int W, int NV, int KT, int RB>
 __attribute__((always_inline)) inline void dots_rows(int R, const float* const* q, const void* const* k, int lo, int hi,
-                                                     float* const* sc) {
+                                                     float* const* sc, KvPrefetch& pf) {
     int r0 = 0;
-    for (; r0 + RB <= R; r0 += RB) dots<W, NV, KT, RB>(q + r0, k, lo, hi, sc + r0);
+    for (; r0 + RB <= R; r0 += RB) dots<W, NV, KT, RB>(q + r0, k, lo, hi, sc + r0, pf);
     const int rest = R - r0;
-    if constexpr (RB > 3) if (rest == 3) return dots<W, NV, KT, 3>(q + r0, k, lo, hi, sc + r0);
-    if constexpr (RB > 2) if (rest == 2) return dots<W, NV, KT, 2>(q + r0, k, lo, hi, sc + r0);
-    if constexpr (RB > 1) if (rest == 1) return dots<W, NV, KT, 1>(q + r0, k, lo, hi, sc + r0);
+    if constexpr (RB > 3) if (rest == 3) return dots<W, NV, KT, 3>(q + r0, k, lo, hi, sc + r0, pf);
+    if constexpr (RB > 2) if (rest == 2) return dots<W, NV, KT, 2>(q + r0, k, lo, hi, sc + r0, pf);
+    if constexpr (RB > 1) if (rest == 1) return dots<W, NV, KT, 1>(q + r0, k, lo, hi, sc + r0, pf);
 }
 template <int W, int NV, int KT, int RB>
 __attribute__((always_inline)) inline void accumulate_rows(int R, float* const* acc, const float* corr,
@@ -371,6 +375,7 @@ __attribute__((target(PSQ_AMX_TARGET), noinline)) void scores_amx(Scratch& s, co
         }
     }
     for (int t = 0; t < hi; t += 16) {
+        s.pf.pump();
         const char* base = (const char*)k[t];
         int64_t stride = kstride;
         for (int i = 1; i < 16; ++i)
@@ -404,6 +409,7 @@ __attribute__((target(PSQ_AMX_TARGET), noinline)) void values_amx(Scratch& s, co
                                                38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
         const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
         for (int p = 0; p < pairs; ++p) {
+            s.pf.pump();
             const uint16_t *x = (const uint16_t*)v[2 * p], *y = (const uint16_t*)v[2 * p + 1];
             for (int h = 0; h < D / 32; ++h) {
                 const __m512i a = _mm512_loadu_si512(x + 32 * h), b = _mm512_loadu_si512(y + 32 * h);
@@ -478,7 +484,7 @@ __attribute__((always_inline)) inline void head_chunk(const Args& a, Scratch& s,
     if constexpr (X)
         for (int g = r0; g < r0 + Rh; g += AMX_ROWS)
             scores_amx(s, kp, g, std::min(AMX_ROWS, r0 + Rh - g), hi, D, (int64_t)a.Hkv * D * 2);
-    else if constexpr (NV > 0) dots_rows<W, NV, KT, dot_rows<W, NV>()>(Rh, &s.qp[r0], kp, lo, hi, &s.sp[r0]);
+    else if constexpr (NV > 0) dots_rows<W, NV, KT, dot_rows<W, NV>()>(Rh, &s.qp[r0], kp, lo, hi, &s.sp[r0], s.pf);
     int live = 0;
     for (int r = r0; r < r0 + Rh; ++r) {
         const int pos = p0 + (r - r0) / G, wlo = window_start(a, pos);      // query token (r - r0) / G
@@ -550,13 +556,14 @@ __attribute__((always_inline)) inline void attend(const Args& a, int b, int h0, 
     // one with the same others whatever the chunk's first key (a window's start moves with the query run)
     const int c0 = X ? k_lo & ~31 : k_lo & ~3, lo = 0, hi = X ? (k_hi - c0 + 31) & ~31 : (k_hi - c0 + 3) & ~3;
     for (int t = lo; t < hi; ++t) s.kp[t] = s.vp[t] = s.zero.data();
-    prefetch_tile(a, table, h0, nh, k_lo, std::min(k_hi, k_lo + TILE));
+    const bool fetch = !s.pf.ahead;               // else the item before streamed these rows in
+    if (fetch) prefetch_tile(a, table, h0, nh, k_lo, std::min(k_hi, k_lo + TILE));
     for (int t = k_lo, blk = k_lo / a.bs, off = k_lo % a.bs; t < k_hi; ++t) {
         const int64_t at = ((int64_t)table[blk] * a.bs + off) * a.Hkv + h0;
         if (in_place) {
             s.kp[t - c0] = (const char*)a.k + at * head_bytes;
             s.vp[t - c0] = (const char*)a.v + at * head_bytes;
-            if ((t - k_lo) % TILE == 0) prefetch_tile(a, table, h0, nh, t + TILE, std::min(k_hi, t + 2 * TILE));
+            if (fetch && (t - k_lo) % TILE == 0) prefetch_tile(a, table, h0, nh, t + TILE, std::min(k_hi, t + 2 * TILE));
         } else {
             s.kp[t - c0] = row_at(a, a.k, table[blk], off, h0, s.kbuf.data() + (int64_t)(t - c0) * D);
             s.vp[t - c0] = row_at(a, a.v, table[blk], off, h0, s.vbuf.data() + (int64_t)(t - c0) * D);
@@ -686,6 +693,15 @@ void attend_all(const Args& a, Item item, bool amx) {
     const int R = most * G * nh;
     Parts shared;                                        // per (pair, chunk), when chunks are items
     if (!per_pair) shared.resize(start[a.B] * a.Hkv, R, a.D);
+    std::atomic<int64_t> claimed{0};                     // work items handed out (dynamic scheduling)
+    const int head_bytes = a.D * entry_bytes(a.kv_dtype);
+    // Lists chunk c of sequence b, kv heads [h0, h0 + n), for s's prefetcher, to be pumped over the item
+    // now starting (`keys` keys): its inner loops pump once per 16 keys and key pair (AMX) or 4 keys.
+    auto plan = [&](Scratch& s, int b, int h0, int n, int c, int keys) {
+        const int64_t calls = (int64_t)n * keys * (amx ? 9 : 4) / 16;
+        s.pf.plan(a.k, a.v, a.tables + (int64_t)b * a.max_blocks, a.bs, a.Hkv, head_bytes, h0, n,
+                  chunk_lo(a, b, c), chunk_hi(a, b, c), calls);
+    };
 #pragma omp parallel if (parallel)
     {
         Scratch s(R, a.D, nh, a.kv_dtype > 1, amx);
@@ -693,27 +709,50 @@ void attend_all(const Args& a, Item item, bool amx) {
         if (amx) tiles_save(&found);
         if (per_pair) {
             Parts own;
-#pragma omp for schedule(dynamic)
-            for (int it = 0; it < a.B * groups; ++it) {
+            int it = claimed++;
+            while (it < a.B * groups) {
+                const int next = claimed++;      // claimed now, so its rows stream in while `it` computes
                 const int b = it / groups, h0 = it % groups * nh, rows = (a.q_start[b + 1] - a.q_start[b]) * G;
                 own.resize(chunks[b], R, a.D);
                 for (int c = 0; c < chunks[b]; ++c) {
-                    item(a, b, h0, nh, chunk_lo(a, b, chunk0[b] + c), chunk_hi(a, b, chunk0[b] + c), s);
+                    const int lo = chunk_lo(a, b, chunk0[b] + c), hi = chunk_hi(a, b, chunk0[b] + c);
+                    if (c + 1 < chunks[b])
+                        plan(s, b, h0, nh, chunk0[b] + c + 1, hi - lo);
+                    else if (next < a.B * groups)
+                        plan(s, next / groups, next % groups * nh, nh, chunk0[next / groups], hi - lo);
+                    item(a, b, h0, nh, lo, hi, s);
+                    s.pf.finish();
                     own.keep(c, s, rows * nh);
                 }
                 for (int hh = 0; hh < nh; ++hh) own.merge_into(a, b, h0 + hh, hh * rows, 0, chunks[b]);
+                it = next;
             }
         } else {
-#pragma omp for schedule(dynamic)
-            for (int64_t w = 0; w < start[a.B] * a.Hkv; ++w) {
-                // item w: pair (b, h) = its sequence's chunks times kv heads, chunk c of b
-                int b = 0;
+            const int64_t items = start[a.B] * a.Hkv;
+            // item w: pair (b, h) = its sequence's chunks times kv heads, chunk c of b
+            auto unit = [&](int64_t w, int& b, int& h, int& c) {
+                b = 0;
                 while (start[b + 1] * a.Hkv <= w) ++b;
                 const int64_t off = w - start[b] * a.Hkv;
-                const int h = (int)(off / chunks[b]), c = (int)(off % chunks[b]);
-                item(a, b, h, 1, chunk_lo(a, b, chunk0[b] + c), chunk_hi(a, b, chunk0[b] + c), s);
+                h = (int)(off / chunks[b]), c = chunk0[b] + (int)(off % chunks[b]);
+            };
+            int64_t w = claimed++;
+            while (w < items) {
+                const int64_t next = claimed++;
+                int b, h, c;
+                unit(w, b, h, c);
+                const int lo = chunk_lo(a, b, c), hi = chunk_hi(a, b, c);
+                if (next < items) {
+                    int nb, nh_, nc;
+                    unit(next, nb, nh_, nc);
+                    plan(s, nb, nh_, 1, nc, hi - lo);
+                }
+                item(a, b, h, 1, lo, hi, s);
+                s.pf.finish();
                 shared.keep(w, s, (a.q_start[b + 1] - a.q_start[b]) * G);
+                w = next;
             }
+#pragma omp barrier
 #pragma omp for schedule(static)
             for (int pair = 0; pair < pairs; ++pair) {
                 const int b = pair / a.Hkv, h = pair % a.Hkv;
