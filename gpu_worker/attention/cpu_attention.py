@@ -78,7 +78,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     """Key and value rows [T, Hkv, D] into the fp32 or bf16 cache's `slots` in one native call
     (kv_write.cpp: the conversions and index_copy_ of torch's four ops, the same bytes); False where it
     does not take them (another dtype, fp32 rows whose heads are not side by side, no library)."""
-    lib = native.library() if k_cache.device.type == "cpu" else None
+    lib = native.library_for(k_cache)
     code = KV_DTYPE_CODES.get(k_cache.dtype)
     if lib is None or code not in (0, 1) or v_cache.dtype != k_cache.dtype or slots.dtype != torch.int64 or \
             not slots.is_contiguous() or not all(_rows_of_heads(t, k_cache) for t in (key, value)):

@@ -62,7 +62,7 @@ def round_with_feedback(x: torch.Tensor, a: torch.Tensor, dtype: torch.dtype, sc
     if x.device.type == "cuda" and d & (d - 1) == 0:       # the kernel takes power-of-two heads
         from gpu_worker.kernels.triton_fp8_round import round_with_feedback_triton
         return round_with_feedback_triton(x if scale == 1.0 else x / scale, a, dtype)
-    lib = native.library() if x.device.type == "cpu" else None
+    lib = native.library_for(x)
     if lib is None:
         return round_with_feedback_reference(x if scale == 1.0 else x / scale, a, dtype)
     t, h = x.shape[:2]

@@ -153,6 +153,11 @@ def available() -> bool:
     return library() is not None
 
 
+def library_for(t) -> ctypes.CDLL | None:
+    """The kernels for work on tensor `t`: None unless it lives on the CPU (they read host memory)."""
+    return library() if t.device.type == "cpu" else None
+
+
 if __name__ == "__main__":
     path = build(force="--force" in sys.argv)
     print(f"native kernels ready: {path} (cpu isa level {cpu_isa()}, attention {attention_isa()})")

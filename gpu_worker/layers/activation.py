@@ -33,7 +33,7 @@ def gated(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
 
 
 def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    lib = native.library() if gate.device.type == "cpu" else None
+    lib = native.library_for(gate)
     if lib is not None and _halves_of_one_row(gate, up):
         rows, inter = gate.shape
         out = torch.empty(rows, inter, dtype=torch.float32)

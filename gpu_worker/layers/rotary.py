@@ -90,7 +90,7 @@ class Rotation:
         side by side, as views into the fused qkv projection's output are): the same floats in one call
         instead of eight ops. Returns the rotated q and k (new tensors where it falls back)."""
         cos, sin = self.cos, self.sin
-        lib = native.library() if q.device.type == "cpu" else None
+        lib = native.library_for(q)
         if lib is None or not all(t.dtype == torch.float32 for t in (q, k, cos, sin)) or \
                 not (_heads_side_by_side(q) and _heads_side_by_side(k) and cos.is_contiguous() and sin.is_contiguous()):
             return self.apply(q, k)

@@ -179,7 +179,7 @@ class PackedWeight:
             x2 = x2.float().contiguous()
         if bias is not None and bias.dtype != torch.float32:
             bias = bias.float()
-        lib = native.library() if x.device.type == "cpu" else None
+        lib = native.library_for(x)
         if lib is not None and x2.shape[0] <= self.max_native_rows():
             y = self._native_gemm(lib, x2, bias)
         elif lib is not None and x2.shape[0] <= self.tiles_max_rows:
