@@ -89,6 +89,9 @@ class ModelRunner:
         self.lora = LoRAManager(self.model, self.model_config.num_layers, config.max_loras, config.max_lora_rank,
                                 config.max_cpu_loras or config.max_loras, self.device, self.dtype) \
             if config.enable_lora else None
+        if self.matmul_dtype == torch.bfloat16 and self.lora is None and hasattr(self.model, "narrow_activations"):
+            narrowed = self.model.narrow_activations()
+            log.info("%d norms give large steps' bf16 products their input in bf16", narrowed)
         self.backend = get_backend(config.attention_backend, self.device)
         self.block_size = config.block_size
         self.kv_layout = KVCacheLayout.for_windows(self.model_config.windows)

@@ -165,3 +165,41 @@ def test_the_engine_in_bf16_matmul_mode_stays_close_to_fp32(tiny_model, monkeypa
         diffs += [abs(x - y) for x, y in zip(a, b)]
     # a random tiny model's logprobs span ~7 nats; wrong weights or a misread cache move them by whole nats
     assert max(diffs) < 0.25 and sum(diffs) / len(diffs) < 0.02, (max(diffs), sum(diffs) / len(diffs))
+
+
+@pytest.mark.slow
+def test_large_steps_with_bf16_activations_give_the_same_floats(tiny_model, tmp_path, monkeypatch):
+    """models/llama.py narrow_activations: in steps the bf16 copies run, the norms, the MLP's activation
+    and the products hand each other bf16 instead of converting at every product; the prompt logprobs
+    and tokens of a prefill larger than the packed kernels' steps are bit for bit those of converting."""
+    from pagedserve import LLM, SamplingParams
+    from gpu_worker.layers.norm import RMSNorm
+    from tests.gguf_files import from_hf_model
+    monkeypatch.setenv("PAGEDSERVE_CPU_BF16", "1")
+    folder = tiny_model("llama")
+    path = from_hf_model(folder, tmp_path / "model.gguf", {}, default=T.Q4_1)
+    llm = LLM(str(path), tokenizer=str(folder), dtype="auto", kv_cache_memory=0.05, swap_space=0,
+              enable_prefix_caching=False)
+    try:
+        model = llm.engine.executor.runner.model
+        norms = [m for m in model.modules() if isinstance(m, RMSNorm) and m.narrow_above is not None]
+        if not native.available():
+            assert not norms
+            return
+        assert len(norms) == 2 * len(model.layers)        # each layer's two, not the final norm
+        seen = []
+        out_dtype = RMSNorm._out_dtype
+        monkeypatch.setattr(RMSNorm, "_out_dtype", lambda self, rows: seen.append(out_dtype(self, rows)) or seen[-1])
+        prompts = [[(11 * j) % 900 + 10 for j in range(300)], [(5 * j) % 700 + 20 for j in range(17)]]
+        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+        narrowed = llm.generate(prompts, sp, use_tqdm=False)
+        assert torch.bfloat16 in seen and torch.float32 in seen    # the prefill narrowed, the decodes not
+        for m in norms:
+            m.narrow_above = None
+        plain = llm.generate(prompts, sp, use_tqdm=False)
+        for a, b in zip(narrowed, plain):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert [r[0] for r in a.prompt_logprobs[1:]] == [r[0] for r in b.prompt_logprobs[1:]]
+            assert [r[0] for r in a.outputs[0].logprobs] == [r[0] for r in b.outputs[0].logprobs]
+    finally:
+        llm.engine.shutdown()

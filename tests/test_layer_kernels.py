@@ -37,6 +37,49 @@ def test_add_norm_is_the_add_then_the_norm(isa, rows, force_isa):
     assert torch.equal(y, norm(x + d))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_bf16_norm_outputs_are_the_fp32_outputs_rounded_as_torch_rounds(isa, rows, force_isa):
+    """narrow_above: steps above it get the norm in bf16, the fp32 result rounded once, as the next
+    matmul's own conversion would; the residual add takes a bf16 delta (a bf16 product) exactly."""
+    force_isa(isa)
+    torch.manual_seed(rows)
+    norm = RMSNorm(576, 1e-5, torch.float32)
+    norm.weight.data.normal_()
+    x, d = torch.randn(rows, 576) * 3, torch.randn(rows, 576)
+    want_y, (want_total, want_added) = norm(x), norm.add_forward(x, d)
+    norm.narrow_above = 4
+    narrow = rows > 4
+    y = norm(x)
+    assert y.dtype == (torch.bfloat16 if narrow else torch.float32)
+    assert torch.equal(y, want_y.to(y.dtype))
+    for delta in (d, d.bfloat16()):
+        total, added = norm.add_forward(x, delta)
+        assert torch.equal(total, x + delta.float())
+        want = want_added if delta is d else norm.add_forward(x, delta.float())[1]
+        assert added.dtype == y.dtype and torch.equal(added, want.to(y.dtype))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_rounding_is_torchs_on_ties_specials_and_subnormals(isa, force_isa):
+    """A row of ones with eps 0 normalizes to itself, so the output is the weight rounded by the kernel:
+    ties to even either way, infinities, NaN, -0, subnormals and the largest floats, against torch."""
+    force_isa(isa)
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80_7FFF, 0x3F80_8001, 0xBF808000, 0x7F7FFFFF, 0xFF7FFFFF,
+                         0x7F800000, 0xFF800000, 0x80000000, 0x00000001, 0x00808000, 0x7FC00000, 0x7F800001],
+                        dtype=torch.int64).to(torch.int32)
+    special = bits.view(torch.float32)
+    w = torch.cat([special, torch.randn(64 - len(special))])
+    norm = RMSNorm(64, 0.0, torch.float32)
+    norm.weight.data.copy_(w)
+    norm.narrow_above = 0
+    y = norm(torch.ones(3, 64))
+    want = w.to(torch.bfloat16).expand(3, 64)
+    nan = want.isnan()
+    assert torch.equal(y.isnan(), nan)
+    assert torch.equal(y[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 def test_add_norm_falls_back_off_its_kernel():
     """bf16 rows (not the kernel's) get torch's add and norm; the inputs are never written."""
     norm = RMSNorm(64, 1e-6, torch.bfloat16)
@@ -101,6 +144,20 @@ def test_silu_mul_is_within_a_few_ulp_of_torch(isa, rows, inter, force_isa):
     want = F.silu(gate) * up
     torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)
     assert got.shape == (rows, inter) and got.is_contiguous()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (7, 13), (130, 200)])
+def test_bf16_silu_mul_is_the_fp32_kernel_on_the_widened_halves_rounded_once(isa, rows, inter, force_isa):
+    """A bf16 product's halves in, bf16 out (a large step's MLP, layers/norm.py): bit for bit the fp32
+    kernel's result on the same values, rounded as torch rounds, tails included."""
+    force_isa(isa)
+    torch.manual_seed(rows + inter)
+    gate_up = (torch.randn(rows, 2 * inter) * 4).bfloat16()
+    got = gated("silu")(*gate_up.split(inter, dim=1))
+    want = gated("silu")(*gate_up.float().split(inter, dim=1)).bfloat16()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, inter)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 def test_silu_mul_falls_back_and_other_activations_stay_torch():

@@ -29,7 +29,7 @@ SOURCES = tuple(HERE / f for f in ("qgemm.cpp", "qgemm_amx.cpp", "paged_attentio
                                    "rope.cpp", "silu_mul.cpp", "kv_write.cpp"))
 HEADERS = (HERE / "fp8.h", HERE / "qweights.h", HERE / "amx.h", HERE / "vec8.h", HERE / "kv_prefetch.h")
 LIBRARY = HERE / "_build" / "libpsq.so"
-ABI_VERSION = 11
+ABI_VERSION = 12
 ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}     # the levels every kernel has
 AMX = 3    # above avx512, the attention kernel's own: AMX-BF16 tiles for bf16 caches (attention_isa)
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
@@ -131,14 +131,14 @@ def library() -> ctypes.CDLL | None:
     f = ctypes.c_float
     lib.psq_paged_attention.argtypes = [p, p, p, i, p, i, p, p, i, i, i, i, i, f, p, i, f, p, i]
     lib.psq_paged_attention.restype = i
-    lib.psq_rms_norm.argtypes = [p, i, i, p, f, p, i]
+    lib.psq_rms_norm.argtypes = [p, i, i, p, f, p, i, i]
     lib.psq_rms_norm.restype = None
-    lib.psq_add_rms_norm.argtypes = [p, p, i, i, p, f, p, p, i]
+    lib.psq_add_rms_norm.argtypes = [p, p, i, i, i, p, f, p, p, i, i]
     lib.psq_add_rms_norm.restype = None
     ll = ctypes.c_int64
     lib.psq_rope.argtypes = [p, ll, i, p, ll, i, i, i, p, p, i, i]
     lib.psq_rope.restype = i
-    lib.psq_silu_mul.argtypes = [p, i, i, ll, p, i]
+    lib.psq_silu_mul.argtypes = [p, i, i, ll, p, i, i]
     lib.psq_silu_mul.restype = None
     lib.psq_kv_write.argtypes = [p, ll, p, ll, i, i, p, p, p, i, i]
     lib.psq_kv_write.restype = i

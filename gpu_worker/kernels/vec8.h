@@ -28,3 +28,32 @@ __attribute__((always_inline)) inline v8 exp8(v8 x) {
     p = p * r * r + r + 1.f;
     return p * (v8)((__builtin_convertvector(n, v8i) + 127) << 23);
 }
+
+// bf16 (as uint16_t) <-> fp32, so a kernel can read or write the activations that oneDNN's bf16 GEMMs
+// take and give without a separate conversion pass. Widening is exact (a bf16 is a float's high half);
+// narrowing rounds to nearest even and makes NaN 0x7fc0, c10::BFloat16's rule, so a kernel's bf16 output
+// equals its fp32 output followed by torch's .to(torch.bfloat16), bit for bit.
+typedef uint16_t v8h __attribute__((vector_size(16), aligned(2), may_alias));
+typedef uint32_t v8ui __attribute__((vector_size(32)));
+
+__attribute__((always_inline)) inline v8 load8(const uint16_t* p) {
+    return (v8)(__builtin_convertvector(*(const v8h*)p, v8ui) << 16);
+}
+__attribute__((always_inline)) inline void store8(uint16_t* p, v8 x) {
+    const v8ui u = (v8ui)x;
+    const v8ui r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    *(v8h*)p = __builtin_convertvector((v8ui)(x != x ? (v8i){} + 0x7fc0 : (v8i)r), v8h);
+}
+__attribute__((always_inline)) inline float load1(const float* p) { return *p; }
+__attribute__((always_inline)) inline float load1(const uint16_t* p) {
+    const uint32_t u = (uint32_t)*p << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+__attribute__((always_inline)) inline void store1(float* p, float x) { *p = x; }
+__attribute__((always_inline)) inline void store1(uint16_t* p, float x) {
+    uint32_t u;
+    __builtin_memcpy(&u, &x, 4);
+    *p = x != x ? (uint16_t)0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}

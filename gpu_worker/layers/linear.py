@@ -56,6 +56,12 @@ class LinearMethod:
         if w.dtype != dtype:
             layer.weight = nn.Parameter(w.detach().to(dtype), requires_grad=False)
 
+    def bf16_input_rows(self, layer: "Linear") -> int | None:
+        """Steps of more rows than this may give this layer a bf16 input, which its product then takes as
+        it is and gives back in bf16 (fp32 with a bias), the values of converting inside; None (here):
+        the input stays in the run dtype (layers/norm.py's narrow_above)."""
+        return None
+
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         if layer.weight.dtype != x.dtype:
             return low_precision_linear(x, layer.weight, layer.bias)
@@ -63,16 +69,18 @@ class LinearMethod:
 
 
 def low_precision_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight^T (+ bias) with a weight held in lower precision than x (plain, or prepacked by
-    prepack_bf16): x is rounded to the weight's dtype for the product, which comes back in x's dtype; the
-    bias is added there."""
+    """x @ weight^T (+ bias) with a weight held in lower precision than the run dtype (plain, or prepacked
+    by prepack_bf16): x is rounded to the weight's dtype for the product, which comes back in x's dtype,
+    or with a bias in fp32 at least, where the bias is added."""
     low = x.to(weight.dtype)
     if weight.is_mkldnn:
         y = torch.ops.mkldnn._linear_pointwise(low, weight, None, "none", [], "")
     else:
         y = torch.nn.functional.linear(low, weight)
-    y = y.to(x.dtype)
-    return y if bias is None else y + bias.to(x.dtype)
+    if bias is None:
+        return y.to(x.dtype)
+    out = torch.promote_types(x.dtype, torch.float32)
+    return y.to(out) + bias.to(out)
 
 
 # The row count oneDNN lays a prepacked weight out for (the default token budget); its products equalled

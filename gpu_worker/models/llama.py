@@ -16,7 +16,7 @@ from torch import nn
 from common.model_config import ModelConfig
 from common.tp_layout import QUANT_ALIGN, even_split, head_shard
 from gpu_worker.attention import AttentionBackend, cache_scale
-from gpu_worker.layers.activation import gated
+from gpu_worker.layers.activation import exact_on_bf16, gated
 from gpu_worker.layers.embedding import VocabEmbedding, gather_logits, vocab_part
 from gpu_worker.layers.kv_rotation import KVCentres
 from gpu_worker.layers.linear import Linear
@@ -67,7 +67,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rot: Rotation,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: Any,
                 backend: AttentionBackend) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        qkv = self.qkv_proj(x)
+        if qkv.dtype != rot.cos.dtype:    # a large step's bf16 product (narrow_activations): rope runs in fp32
+            qkv = qkv.to(rot.cos.dtype)
+        q, k, v = self.qkv_proj.split(qkv)
         t = x.shape[0]
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
@@ -114,6 +117,12 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
         return self.down_proj(self.act_and_mul(gate, up))
 
+    def bf16_input_rows(self) -> int | None:
+        """Steps above this many rows may run the whole MLP in bf16 (input, gate_up's product, the
+        activation, down's product), the values of converting at each product; None: never."""
+        a, b = (m.method.bf16_input_rows(m) for m in (self.gate_up_proj, self.down_proj))
+        return None if a is None or b is None or not exact_on_bf16(self.act_and_mul) else max(a, b)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, dtype: torch.dtype, layer: int, mlp: nn.Module):
@@ -135,6 +144,14 @@ class DecoderLayer(nn.Module):
         residual, h = self.post_attention_layernorm.add_forward(residual, h)
         return self.mlp(h), residual
 
+    def narrow_activations(self) -> int:
+        """Let each norm give its sublayer bf16 in the steps where every product it feeds runs on a bf16
+        copy (layers/norm.py): the qkv projection, and a plain MLP all through. Returns how many norms."""
+        self.input_layernorm.narrow_above = self.self_attn.qkv_proj.method.bf16_input_rows(self.self_attn.qkv_proj)
+        mlp = self.mlp.bf16_input_rows() if isinstance(self.mlp, MLP) else None
+        self.post_attention_layernorm.narrow_above = mlp
+        return (self.input_layernorm.narrow_above is not None) + (mlp is not None)
+
 
 class LlamaForCausalLM(nn.Module):
     """Subclasses change the parts through make_layer / make_mlp / rotations / embed, not the loop."""
@@ -155,6 +172,11 @@ class LlamaForCausalLM(nn.Module):
 
     def make_mlp(self, c: ModelConfig, dtype: torch.dtype, layer: int) -> nn.Module:
         return MLP(c.hidden_size, c.intermediate_size, c.hidden_act, dtype)
+
+    def narrow_activations(self) -> int:
+        """Large steps run the decoder layers' matmul inputs and outputs in bf16 where they can
+        (DecoderLayer.narrow_activations; other layer kinds keep fp32). Returns the norms narrowed."""
+        return sum(layer.narrow_activations() for layer in self.layers if isinstance(layer, DecoderLayer))
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

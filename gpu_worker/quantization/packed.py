@@ -166,7 +166,9 @@ class PackedWeight:
                       self.group, self.bits)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W^T (+ bias) for x of any leading shape; computed in fp32, returned in x's dtype."""
+        """x @ W^T (+ bias) for x of any leading shape; computed in fp32, returned in x's dtype. A bf16 x
+        in a step the bf16 copy runs goes in as it is, and the product comes back in bf16 (fp32 with a
+        bias): layers/norm.py's narrow_above."""
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         if self.perm is not None:
@@ -175,14 +177,19 @@ class PackedWeight:
             from gpu_worker.kernels import triton_qgemm     # imports triton: only where it runs
             y = triton_qgemm.packed_matmul(x2, self.q, self.scale, self.offset, self.bits, self.group, bias)
             return y.reshape(*lead, -1) if len(lead) != 1 else y
+        rows = x2.shape[0]
+        if x2.dtype == torch.bfloat16 and self.expanded is not None and self.expanded.dtype == torch.bfloat16 and \
+                rows > (self.copy_rows() or 0):
+            y = low_precision_linear(x2.contiguous(), self.expanded, bias)
+            return y.reshape(*lead, -1) if len(lead) != 1 else y
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
         if bias is not None and bias.dtype != torch.float32:
             bias = bias.float()
         lib = native.library_for(x)
-        if lib is not None and x2.shape[0] <= self.max_native_rows():
+        if lib is not None and rows <= self.max_native_rows():
             y = self._native_gemm(lib, x2, bias)
-        elif lib is not None and x2.shape[0] <= self.tiles_max_rows:
+        elif lib is not None and rows <= self.tiles_max_rows:
             y = self._tiles_gemm(lib, x2, bias)
         elif self.expanded is not None:
             y = low_precision_linear(x2, self.expanded, bias)
@@ -191,6 +198,15 @@ class PackedWeight:
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y.reshape(*lead, -1) if len(lead) != 1 else y
+
+    def copy_rows(self) -> int | None:
+        """With a low-precision copy (keep_expanded) on the CPU: the largest step the packed kernels run,
+        larger ones running on the copy (0 without the native library); None without a copy."""
+        if self.expanded is None or self.expanded.dtype == torch.float32 or self.q.device.type != "cpu":
+            return None
+        if native.library() is None:
+            return 0
+        return max(self.max_native_rows(), self.tiles_max_rows)
 
     def max_native_rows(self) -> int:
         """The largest step the native kernel runs on this weight; larger ones take the expansion."""

@@ -68,6 +68,14 @@ class PackedLinearMethod(LinearMethod):
         elif "weight" in layer._parameters:      # a layer that stayed plain
             super().use_matmul_dtype(layer, dtype)
 
+    def bf16_input_rows(self, layer: Linear) -> int | None:
+        """The steps the bf16 copy runs (PackedWeight.copy_rows), unless the product is then summed across
+        ranks (row parallel), where the sum stays in fp32."""
+        if layer.packed is None or layer.reduce or layer.packed.expanded is None or \
+                layer.packed.expanded.dtype != torch.bfloat16:
+            return None
+        return layer.packed.copy_rows()
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.packed is None:
             return super().apply(layer, x)
