@@ -1,7 +1,7 @@
 """Where a single stream's time goes: each model-runner step timed by its kind, and the packed matmuls inside.
 
     python -m loadtest.step_profile [--speculative-config JSON] [--concurrency 1]
-    python -m loadtest.step_profile --decode-batch 64 --context 512 [--dtype auto]
+    python -m loadtest.step_profile --decode-batch 64 --context 512 [--dtype auto] [--kv-cache-dtype fp8]
 
 Runs the speculative benchmark's grounded workload (loadtest/spec_workload.jsonl) in waves of
 `--concurrency` through LLM.generate, with and without the given speculative config (default: without),
@@ -129,19 +129,21 @@ class PartTimer:
         return "\n".join(lines)
 
 
-def decode_profile(batch: int, context: int, dtype: str) -> str:
+def decode_profile(batch: int, context: int, dtype: str, kv_cache_dtype: str = "auto") -> str:
     from loadtest import pagedserve_runs, roofline
     timer = PartTimer(batch)
     make = roofline.make_llm
     try:
         kv_gib = max(2.0, 1.5 * batch * (context + 2 * batch + batch * context // 128) * 46e3 / 2**30)
         roofline.make_llm = lambda threads, model: pagedserve_runs.make_llm(threads, model, dtype=dtype,
-                                                                           kv_cache_memory=kv_gib)
+                                                                           kv_cache_memory=kv_gib,
+                                                                           kv_cache_dtype=kv_cache_dtype)
         tok_s, ctx = roofline.decode_tokens_per_s(batch=batch, steps=10, prompt_len=context)
     finally:
         roofline.make_llm = make
         timer.restore()
-    return f"decode at batch {batch}, context {ctx:.0f}, --dtype {dtype}: {tok_s:.1f} tok/s\n" + timer.report()
+    return (f"decode at batch {batch}, context {ctx:.0f}, --dtype {dtype}, --kv-cache-dtype {kv_cache_dtype}: "
+            f"{tok_s:.1f} tok/s\n" + timer.report())
 
 
 def profile(spec: dict | None, concurrency: int) -> str:
@@ -167,9 +169,10 @@ def main() -> None:
     p.add_argument("--decode-batch", type=int, default=None, help="profile decode steps of this many sequences")
     p.add_argument("--context", type=int, default=512, help="--decode-batch: prompt tokens per sequence")
     p.add_argument("--dtype", default="auto", help="--decode-batch: the engine's --dtype")
+    p.add_argument("--kv-cache-dtype", default="auto", help="--decode-batch: the engine's --kv-cache-dtype")
     args = p.parse_args()
     if args.decode_batch:
-        print(decode_profile(args.decode_batch, args.context, args.dtype))
+        print(decode_profile(args.decode_batch, args.context, args.dtype, args.kv_cache_dtype))
     else:
         print(profile(args.speculative_config, args.concurrency))
 

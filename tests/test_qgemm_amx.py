@@ -1,7 +1,8 @@
 """The packed-weight matmul on AMX tiles (gpu_worker/kernels/qgemm_amx.cpp) against torch: each weight and
 input rounded to bf16 as the bf16 copy holds them, the products summed in fp32, for every packed format,
 group size and step shape the kernel splits its work by (up to 16 rows, 17-32, more; feature counts that
-are not multiples of its blocks); and which steps --dtype auto hands it."""
+are not multiples of its blocks), with the weights expanded at each call or once beforehand (the tile
+layout --dtype auto holds); and which steps --dtype auto hands it."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,17 +10,16 @@ import pytest
 import torch
 
 from gpu_worker.kernels import native
-from gpu_worker.layers.linear import Linear, low_precision_linear
-from gpu_worker.quantization import linear_method, packed_linear
-from gpu_worker.quantization.packed import (AMX_NATIVE_MAX_ROWS, AMX_TILE_MAX_ROWS, FP8_BITS, GroupQuant,
-                                            PackedWeight)
+from gpu_worker.layers.linear import Linear
+from gpu_worker.quantization import linear_method, packed, packed_linear
+from gpu_worker.quantization.packed import AMX_NATIVE_MAX_ROWS, FP8_BITS, GroupQuant, PackedWeight
 
 pytestmark = pytest.mark.unit
 needs_tiles = pytest.mark.skipif(not (native.available() and native.amx_ready()),
                                  reason="this CPU has no AMX-BF16 tiles (or the OS withholds them)")
 
 
-def packed(fmt: str, n: int, k: int, group: int, seed: int) -> PackedWeight:
+def packed_weight(fmt: str, n: int, k: int, group: int, seed: int) -> PackedWeight:
     rng = np.random.default_rng(seed)
     if fmt == "fp8":
         values = torch.from_numpy(rng.normal(0, 40, (n, k)).astype(np.float32)).to(torch.float8_e4m3fn)
@@ -41,28 +41,35 @@ def reference(pw: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> t
 @pytest.mark.parametrize("fmt,group", [("q4", 32), ("q4", 16), ("q4", 64), ("q8", 32), ("fp8", 64)])
 @pytest.mark.parametrize("n", [40, 96, 112])
 def test_tiles_give_the_bf16_products_summed_in_fp32(fmt, group, n):
-    pw = packed(fmt, n, 192, group, seed=n + group)
+    pw = packed_weight(fmt, n, 192, group, seed=n + group)
     gen = torch.Generator().manual_seed(n)
     bias = torch.randn(n, generator=gen)
     lib = native.library()
+    tiles = pw._expand_for_tiles(lib)
     for rows in (1, 9, 16, 17, 32, 33, 50, 64):
         x = torch.randn(rows, 192, generator=gen)
-        for b in (None, bias):
+        for b, pre in ((None, None), (bias, None), (None, tiles), (bias, tiles)):
+            pw.tiles = pre
             got = pw._tiles_gemm(lib, x, b)
             want = reference(pw, x, b)
             # the bf16 roundings are the reference's own: what is left is fp32 summation order
             scale = (x.bfloat16().float().abs() @ pw.dequantize().bfloat16().float().abs().T).max()
-            assert (got - want).abs().max() <= 1e-5 * scale, (rows, b is None)
+            assert (got - want).abs().max() <= 1e-5 * scale, (rows, b is None, pre is None)
 
 
 @needs_tiles
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
-    pw = packed("q4", 100, 256, 32, seed=1)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(monkeypatch):
+    """Nor on whether the weights were expanded beforehand, nor on a step's split into calls."""
+    pw = packed_weight("q4", 100, 256, 32, seed=1)
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
     lib = native.library()
     full = pw._tiles_gemm(lib, x, None)
     for rows in (1, 5, 16, 17, 40):
         assert torch.equal(pw._tiles_gemm(lib, x[-rows:].contiguous(), None), full[-rows:]), rows
+    pw.tiles = pw._expand_for_tiles(lib)
+    assert torch.equal(pw._tiles_gemm(lib, x, None), full)
+    monkeypatch.setattr(packed, "AMX_TILE_CALL_ROWS", 24)       # calls of 24, 24 and 16 rows
+    assert torch.equal(pw._tiles_gemm(lib, x, None), full)
 
 
 @needs_tiles
@@ -71,36 +78,33 @@ def test_a_k_the_tiles_cannot_take_is_refused():
     x, q, y = torch.zeros(1, 48), torch.zeros(16, 24, dtype=torch.uint8), torch.zeros(1, 16)
     s = torch.ones(16, 3)
     assert lib.psq_gemm_amx(x.data_ptr(), 1, 48, q.data_ptr(), s.data_ptr(), s.data_ptr(), 16, 16, 4, None,
-                            y.data_ptr()) == -1
+                            y.data_ptr(), None) == -1
 
 
 @needs_tiles
-def test_auto_hands_the_tiles_the_steps_between_the_vector_kernel_and_the_bf16_copy(monkeypatch):
+def test_auto_hands_the_tiles_every_step_beyond_the_vector_kernel(monkeypatch):
     """On AMX, steps of up to AMX_NATIVE_MAX_ROWS rows stay on the vector kernel (its fp32 products, so
-    speculative verification reproduces decoding), then the tiles up to AMX_TILE_MAX_ROWS, then the copy:
-    which one ran is seen by which computation the numbers equal."""
+    speculative verification reproduces decoding), then the tiles, on their own bf16 copy and no oneDNN
+    copy: which one ran is seen by which computation the numbers equal."""
     monkeypatch.setattr(packed_linear, "bf16_hardware", lambda: "amx_bf16")
     layer = Linear(128, 64, method=linear_method("gguf"))
-    layer.packed = packed("q4", 64, 128, 32, seed=5)
-    x = torch.randn(AMX_TILE_MAX_ROWS + 8, 128, generator=torch.Generator().manual_seed(6))
+    layer.packed = packed_weight("q4", 64, 128, 32, seed=5)
+    x = torch.randn(600, 128, generator=torch.Generator().manual_seed(6))
     lib = native.library()
     exact = layer.packed._native_gemm(lib, x, None)
+    tiled = layer.packed._tiles_gemm(lib, x, None)        # expanding at the call
     layer.method.use_matmul_dtype(layer, torch.bfloat16)
-    assert layer.packed.tiles_max_rows == AMX_TILE_MAX_ROWS
-    for rows in (1, AMX_NATIVE_MAX_ROWS, AMX_NATIVE_MAX_ROWS + 1, 40, AMX_TILE_MAX_ROWS, AMX_TILE_MAX_ROWS + 8):
+    assert layer.packed.tiles is not None and layer.packed.expanded is None
+    for rows in (1, AMX_NATIVE_MAX_ROWS, AMX_NATIVE_MAX_ROWS + 1, 40, 128, 600):
         got = layer(x[:rows])
-        if rows <= AMX_NATIVE_MAX_ROWS:
-            assert torch.equal(got, exact[:rows]), rows
-        elif rows <= AMX_TILE_MAX_ROWS:
-            assert torch.equal(got, layer.packed._tiles_gemm(lib, x[:rows].contiguous(), None)), rows
-        else:
-            assert torch.equal(got, low_precision_linear(x[:rows], layer.packed.expanded, None)), rows
+        assert torch.equal(got, (exact if rows <= AMX_NATIVE_MAX_ROWS else tiled)[:rows]), rows
 
 
 def test_without_amx_or_outside_bf16_the_tiles_stay_off(monkeypatch):
-    pw = packed("q4", 64, 128, 32, seed=7)
-    pw.keep_expanded(torch.float16, 8, AMX_TILE_MAX_ROWS)
-    assert pw.tiles_max_rows == 0
+    pw = packed_weight("q4", 64, 128, 32, seed=7)
+    pw.keep_expanded(torch.float16, 8, tiles=True)
+    assert pw.tiles is None and pw.expanded.dtype == torch.float16
     monkeypatch.setattr(native, "uses_amx", lambda: False)
-    pw.keep_expanded(torch.bfloat16, 8, AMX_TILE_MAX_ROWS)
-    assert pw.tiles_max_rows == 0
+    pw = packed_weight("q4", 64, 128, 32, seed=7)
+    pw.keep_expanded(torch.bfloat16, 8, tiles=True)
+    assert pw.tiles is None and pw.expanded is not None

@@ -29,7 +29,7 @@ SOURCES = tuple(HERE / f for f in ("qgemm.cpp", "qgemm_amx.cpp", "paged_attentio
                                    "rope.cpp", "silu_mul.cpp", "kv_write.cpp"))
 HEADERS = (HERE / "fp8.h", HERE / "qweights.h", HERE / "amx.h", HERE / "vec8.h", HERE / "kv_prefetch.h")
 LIBRARY = HERE / "_build" / "libpsq.so"
-ABI_VERSION = 12
+ABI_VERSION = 13
 ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}     # the levels every kernel has
 AMX = 3    # above avx512, the attention kernel's own: AMX-BF16 tiles for bf16 caches (attention_isa)
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
@@ -126,8 +126,10 @@ def library() -> ctypes.CDLL | None:
     lib.psq_gemm.restype = None
     lib.psq_dequantize.argtypes = [p, p, p, i, i, i, i, p, i]
     lib.psq_dequantize.restype = None
-    lib.psq_gemm_amx.argtypes = [p, i, i, p, p, p, i, i, i, p, p]
+    lib.psq_gemm_amx.argtypes = [p, i, i, p, p, p, i, i, i, p, p, p]
     lib.psq_gemm_amx.restype = i
+    lib.psq_expand_amx.argtypes = [p, p, p, i, i, i, i, p]
+    lib.psq_expand_amx.restype = i
     f = ctypes.c_float
     lib.psq_paged_attention.argtypes = [p, p, p, i, p, i, p, p, i, i, i, i, i, f, p, i, f, p, i]
     lib.psq_paged_attention.restype = i

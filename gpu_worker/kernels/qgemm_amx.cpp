@@ -204,13 +204,17 @@ __attribute__((target(PSQ_AMX_TARGET))) void stream_32x32(const Args& a, int n0,
     store_32x32(a, sums, n0, 0);
 }
 
-// More rows: the block's weights are expanded once for every chunk, then multiplied into the row tiles
-// two at a time (a pass per pair would expand them again).
+// More rows: the block's weights are expanded once for every chunk (or were, once for all steps:
+// psq_expand_amx), then multiplied into the row tiles two at a time (a pass per pair would expand them
+// again).
 template <int BITS, bool G16>
 __attribute__((target(PSQ_AMX_TARGET))) void block_32xM(const Args& a, int n0, const uint32_t* xp, uint16_t* w,
                                                         float* sums) {
     const int chunks = a.K / 32, row_tiles = (a.M + TILE - 1) / TILE;
-    expand_rows<BITS, G16>(a, n0, 2 * TILE, 0, chunks, w, true);
+    if (a.pre)
+        w = (uint16_t*)a.pre + (size_t)n0 * a.K;
+    else
+        expand_rows<BITS, G16>(a, n0, 2 * TILE, 0, chunks, w, true);
     for (int t = 0; t < row_tiles; t += 2) {
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         multiply_32x32(a, w, xp, t, 0, chunks);
@@ -221,17 +225,27 @@ __attribute__((target(PSQ_AMX_TARGET))) void block_32xM(const Args& a, int n0, c
 using Block = void (*)(const Args&, int, const uint32_t*, uint16_t*, float*);
 
 // The block kernel for this call's shape and format, and the features it covers.
+// With the weights expanded beforehand, every step above 16 rows takes block_32xM: nothing to stream.
 template <int BITS, bool G16>
-Block pick_for(int M, int& features) {
+Block pick_for(int M, bool pre, int& features) {
     features = M <= TILE ? 3 * TILE : 2 * TILE;
-    return M <= TILE ? stream_48x16<BITS, G16> : M <= 2 * TILE ? stream_32x32<BITS, G16> : block_32xM<BITS, G16>;
+    return M <= TILE ? stream_48x16<BITS, G16> : M <= 2 * TILE && !pre ? stream_32x32<BITS, G16> : block_32xM<BITS, G16>;
 }
 
 Block pick(const Args& a, int& features) {
-    const bool g16 = a.G == 16;
-    if (a.bits == 4) return g16 ? pick_for<4, true>(a.M, features) : pick_for<4, false>(a.M, features);
-    if (a.bits == FP8) return g16 ? pick_for<FP8, true>(a.M, features) : pick_for<FP8, false>(a.M, features);
-    return g16 ? pick_for<8, true>(a.M, features) : pick_for<8, false>(a.M, features);
+    const bool g16 = a.G == 16, pre = a.pre != nullptr;
+    if (a.bits == 4) return g16 ? pick_for<4, true>(a.M, pre, features) : pick_for<4, false>(a.M, pre, features);
+    if (a.bits == FP8)
+        return g16 ? pick_for<FP8, true>(a.M, pre, features) : pick_for<FP8, false>(a.M, pre, features);
+    return g16 ? pick_for<8, true>(a.M, pre, features) : pick_for<8, false>(a.M, pre, features);
+}
+
+template <int BITS, bool G16>
+void expand_all(const Args& a, uint16_t* out) {
+    const int blocks = (a.N + 2 * TILE - 1) / (2 * TILE), chunks = a.K / 32;
+#pragma omp parallel for schedule(static)
+    for (int b = 0; b < blocks; ++b)
+        expand_rows<BITS, G16>(a, b * 2 * TILE, 2 * TILE, 0, chunks, out + (size_t)b * 2 * TILE * a.K);
 }
 
 }  // namespace
@@ -240,11 +254,26 @@ extern "C" {
 
 // y = x W^T (+ bias) on AMX tiles; only after psq_amx_ready(). Returns 0, or -1 for a K the tiles cannot
 // take (K must be a multiple of 32, as for every packed weight).
+// The weights in block_32xM's tile layout, once: out holds ceil(N / 32) * 32 * K bf16 (features past N
+// zeros), each 32-feature block's K inputs as expand_rows lays them out; psq_gemm_amx reads them as `pre`.
+int psq_expand_amx(const uint8_t* q, const float* scale, const float* offset, int N, int K, int G, int bits,
+                   uint16_t* out) {
+    if (K % 32) return -1;
+    const Args a{nullptr, 0, K, q, scale, offset, N, G, bits, nullptr, nullptr, __builtin_ctz(G)};
+    const bool g16 = G == 16;
+    if (bits == 4) g16 ? expand_all<4, true>(a, out) : expand_all<4, false>(a, out);
+    else if (bits == FP8) g16 ? expand_all<FP8, true>(a, out) : expand_all<FP8, false>(a, out);
+    else g16 ? expand_all<8, true>(a, out) : expand_all<8, false>(a, out);
+    return 0;
+}
+
+// `pre`, when not null, is psq_expand_amx's output for these weights: steps above 16 rows then read it
+// instead of expanding the weights again.
 int psq_gemm_amx(const float* x, int M, int K, const uint8_t* q, const float* scale, const float* offset, int N,
-                 int G, int bits, const float* bias, float* y) {
+                 int G, int bits, const float* bias, float* y, const uint16_t* pre) {
     if (K % 32) return -1;
     if (M <= 0 || N <= 0) return 0;
-    const Args a{x, M, K, q, scale, offset, N, G, bits, bias, y, __builtin_ctz(G)};
+    const Args a{x, M, K, q, scale, offset, N, G, bits, bias, y, __builtin_ctz(G), pre};
     const int row_tiles = (M + TILE - 1) / TILE, chunks = K / 32;
     int features = 0;
     const Block block = pick(a, features);

@@ -16,6 +16,7 @@ struct Args {
     const uint8_t* q; const float* scale; const float* offset; int N; int G; int bits;
     const float* bias; float* y;
     int gs;   // log2(G): G is a power of two, so group indices are shifts, not divisions
+    const uint16_t* pre = nullptr;   // qgemm_amx.cpp: the weights expanded once, in its tile layout
 };
 
 inline int groups(const Args& a) { return a.K >> a.gs; }

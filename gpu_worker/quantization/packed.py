@@ -5,8 +5,8 @@ w[n, k] = scale[n, g] * q[n, k] + offset[n, g]. Values 0..15 (with K a multiple 
 a byte; anything else takes a byte. On the CPU the native kernel (gpu_worker/kernels) expands the values
 in registers for steps of up to `GEMM_MAX_ROWS[isa]` rows, where reading fewer bytes is the whole win; larger
 steps expand the weight once into fp32 and use the BLAS GEMM, or, in `--dtype auto` on bf16 hardware,
-run on a bf16 copy held once (keep_expanded; on AMX a tile kernel takes the steps from AMX_NATIVE_MAX_ROWS
-to AMX_TILE_MAX_ROWS on the packed weights, and the copy those beyond);
+run on a bf16 copy held once (keep_expanded: oneDNN's GEMM on it, or on AMX the tile kernel on its own
+bf16 copy for every step from AMX_NATIVE_MAX_ROWS);
 without the native library the same expansion is done in torch, slower, with the same values. On CUDA a
 Triton GEMM (kernels/triton_qgemm) dequantizes each weight tile in registers.
 """
@@ -33,15 +33,17 @@ GEMM_MAX_ROWS = {0: 16, 1: 40, 2: 32}
 # at AVX512_CORE_BF16) bf16 took 44 ms at 32 rows against native's 42, so GEMM_MAX_ROWS stays there
 # (loadtest/results/packed_rows_2026-12-06.txt).
 AMX_NATIVE_MAX_ROWS = 8
-# With AMX tiles the native library's tile kernel (kernels/qgemm_amx.cpp) runs the steps from there up to
-# this many rows on the packed weights, expanding each weight once a step into bf16 (the values of the
-# bf16 copy): SmolLM2's 120 decoder products took 11.3 ms against the copy's 20.1 at 16 rows, 13.0 against
-# 23.3 at 32, 18.6 against 29.4 at 64 and 37.9 against 39.7 at 128; decode steps of 16 sequences 1.49x
-# faster, the offline workload 1.10x (loadtest/results/packed_tiles_2026-12-06.txt). The tiles beat the
-# vector kernel from about 6 rows, but up to 8 stay on it so that a speculative step of k + 1 <= 8 rows
-# reproduces plain decoding bit for bit. Larger steps (prefill chunks) are bound by arithmetic, where
-# oneDNN's GEMM on the copy catches up.
-AMX_TILE_MAX_ROWS = 128
+# With AMX tiles the native library's tile kernel (kernels/qgemm_amx.cpp) runs every step from there, on
+# a bf16 copy of the weights in its own tile layout, expanded once at load (psq_expand_amx) in place of
+# oneDNN's copy: the same bytes held, the same values. Expanding each weight at every step instead beat
+# oneDNN's copy up to 128 rows (SmolLM2's 120 decoder products 11.3 ms against 20.1 at 16 rows, 37.9
+# against 39.7 at 128; loadtest/results/packed_tiles_2026-12-06.txt); read expanded, they take 16.8 ms
+# against 20.8 (per-step expansion) and 24.0 (oneDNN) at 64 rows, 27.5 / 34.6 / 36.2 at 128, 54.5 against
+# oneDNN's 60.7 at 256 and 90.8 against 106.6 at 512 (loadtest/results/tiles_copy_2026-12-06.txt). The
+# tiles beat the vector kernel from about 6 rows, but up to 8 stay on it so that a speculative step of
+# k + 1 <= 8 rows reproduces plain decoding bit for bit. Steps of more than AMX_TILE_CALL_ROWS rows (a
+# token budget beyond the default) go in calls of that many: each call keeps its rows' inputs in L2.
+AMX_TILE_CALL_ROWS = 512
 FP8_BITS = 9         # q holds float8_e4m3fn bytes (the native kernel's code for them)
 
 
@@ -102,7 +104,7 @@ class PackedWeight:
     perm: torch.Tensor | None = None    # int64 [K]: the input order of the stored columns (GroupQuant.perm)
     expanded: torch.Tensor | None = None    # CPU: bf16, prepacked, for steps beyond the native kernel's rows
     native_max_rows: int | None = None      # the native kernel's last step size, if not GEMM_MAX_ROWS[isa]
-    tiles_max_rows: int = 0                 # the AMX tile kernel's last step size (0: it is not used)
+    tiles: torch.Tensor | None = None       # AMX: bf16 bits in the tile kernel's layout, for steps beyond it
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -111,7 +113,8 @@ class PackedWeight:
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.q, self.scale, self.offset) + tuple(t for t in (self.perm, self.expanded) if t is not None)
+        return (self.q, self.scale, self.offset) + tuple(t for t in (self.perm, self.expanded, self.tiles)
+                                                         if t is not None)
 
     @classmethod
     def from_groups(cls, gq: GroupQuant, device: torch.device | str = "cpu") -> "PackedWeight":
@@ -189,7 +192,7 @@ class PackedWeight:
         lib = native.library_for(x)
         if lib is not None and rows <= self.max_native_rows():
             y = self._native_gemm(lib, x2, bias)
-        elif lib is not None and rows <= self.tiles_max_rows:
+        elif lib is not None and self.tiles is not None:
             y = self._tiles_gemm(lib, x2, bias)
         elif self.expanded is not None:
             y = low_precision_linear(x2, self.expanded, bias)
@@ -206,27 +209,38 @@ class PackedWeight:
             return None
         if native.library() is None:
             return 0
-        return max(self.max_native_rows(), self.tiles_max_rows)
+        return self.max_native_rows()
 
     def max_native_rows(self) -> int:
         """The largest step the native kernel runs on this weight; larger ones take the expansion."""
         isa_rows = GEMM_MAX_ROWS[native.cpu_isa()]
         return isa_rows if self.native_max_rows is None else min(isa_rows, self.native_max_rows)
 
-    def keep_expanded(self, dtype: torch.dtype, native_max_rows: int | None = None, tiles_max_rows: int = 0) -> None:
+    def keep_expanded(self, dtype: torch.dtype, native_max_rows: int | None = None, tiles: bool = False) -> None:
         """Hold a `dtype` expansion of the weights (on the CPU) for the steps the native kernel does not
         run: with bf16 matrix hardware a bf16 GEMM beats expanding to fp32 at every call by 3-4x
         (gpu_worker/cpu_precision.py). The packed copy stays for the small steps, where reading half a
         byte a weight is the win; `native_max_rows`, when given, is the largest step the kernel keeps
-        because the expansion is faster beyond it (AMX_NATIVE_MAX_ROWS); `tiles_max_rows`, the largest
-        step the AMX tile kernel then takes before the copy does (AMX_TILE_MAX_ROWS; only where
-        native.uses_amx()). A table shared by the embedding and the lm_head is expanded once."""
+        because the expansion is faster beyond it (AMX_NATIVE_MAX_ROWS). `tiles` (bf16, and only where
+        native.uses_amx()): the expansion is the AMX tile kernel's, which then runs every larger step,
+        instead of oneDNN's. A table shared by the embedding and the lm_head is expanded once."""
         if self.q.device.type != "cpu":
             return
-        if self.expanded is None or self.expanded.dtype != dtype:
-            self.expanded = prepack_bf16(self._dequantize_fast(native.library()).to(dtype))
         self.native_max_rows = native_max_rows
-        self.tiles_max_rows = tiles_max_rows if dtype == torch.bfloat16 and native.uses_amx() else 0
+        if tiles and dtype == torch.bfloat16 and native.uses_amx():
+            if self.tiles is None:
+                self.tiles = self._expand_for_tiles(native.library())
+            self.expanded = None
+        elif self.expanded is None or self.expanded.dtype != dtype:
+            self.expanded = prepack_bf16(self._dequantize_fast(native.library()).to(dtype))
+
+    def _expand_for_tiles(self, lib: ctypes.CDLL) -> torch.Tensor:
+        q, scale, offset, n, group, bits = self._call
+        k = self.shape[1]
+        out = torch.empty((n + 31) // 32 * 32 * k, dtype=torch.int16)       # bf16 bits
+        if lib.psq_expand_amx(q, scale, offset, n, k, group, bits, out.data_ptr()) != 0:
+            raise ValueError(f"the AMX tiles cannot take K = {k}")
+        return out
 
     def _native_gemm(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q, scale, offset, n, group, bits = self._call
@@ -236,11 +250,17 @@ class PackedWeight:
         return y
 
     def _tiles_gemm(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ W^T on AMX tiles: x and each weight rounded to bf16 as the copy holds them, sums in fp32."""
+        """x @ W^T on AMX tiles: x and each weight rounded to bf16 as the copy holds them, sums in fp32;
+        in calls of at most AMX_TILE_CALL_ROWS rows, each row's sums the same whatever the call."""
         q, scale, offset, n, group, bits = self._call
-        y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        lib.psq_gemm_amx(x.data_ptr(), x.shape[0], x.shape[1], q, scale, offset, n, group, bits,
-                         None if bias is None else bias.data_ptr(), y.data_ptr())
+        rows, k = x.shape
+        y = torch.empty(rows, n, dtype=torch.float32)
+        bias_ptr = None if bias is None else bias.data_ptr()
+        pre = None if self.tiles is None else self.tiles.data_ptr()
+        for r0 in range(0, rows, AMX_TILE_CALL_ROWS):       # one call up to the default token budget
+            m = min(AMX_TILE_CALL_ROWS, rows - r0)
+            lib.psq_gemm_amx(x.data_ptr() + r0 * k * 4, m, k, q, scale, offset, n, group, bits, bias_ptr,
+                             y.data_ptr() + r0 * n * 4, pre)
         return y
 
     def _dequantize_fast(self, lib: ctypes.CDLL | None, scratch: bool = False) -> torch.Tensor:

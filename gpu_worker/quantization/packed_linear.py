@@ -15,8 +15,7 @@ import torch
 
 from gpu_worker.cpu_precision import bf16_hardware
 from gpu_worker.layers.linear import Linear, LinearMethod
-from gpu_worker.quantization.packed import (AMX_NATIVE_MAX_ROWS, AMX_TILE_MAX_ROWS, GroupQuant, PackedWeight,
-                                            QuantizedTensor)
+from gpu_worker.quantization.packed import AMX_NATIVE_MAX_ROWS, GroupQuant, PackedWeight, QuantizedTensor
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +61,7 @@ class PackedLinearMethod(LinearMethod):
         if layer.packed is not None:
             amx = dtype == torch.bfloat16 and bf16_hardware() == "amx_bf16"
             if amx:
-                layer.packed.keep_expanded(dtype, AMX_NATIVE_MAX_ROWS, AMX_TILE_MAX_ROWS)
+                layer.packed.keep_expanded(dtype, AMX_NATIVE_MAX_ROWS, tiles=True)
             else:
                 layer.packed.keep_expanded(dtype)
         elif "weight" in layer._parameters:      # a layer that stayed plain
