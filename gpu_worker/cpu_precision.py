@@ -11,10 +11,12 @@ is slower: a single-stream decode step took 15.1 ms all-bf16 against 13.1 ms in 
 parts run as native one-pass kernels now, gpu_worker/kernels/native.py) and gives the
 matmuls bf16 weights: plain weights are held in bf16, and packed (GGUF, AWQ, GPTQ) weights keep their
 packed copy for the native kernel's small steps and gain a bf16 expansion for steps beyond it (more
-memory: 2 bytes a weight), prepacked in oneDNN's layout (gpu_worker/layers/linear.py: prepack_bf16);
-the KV cache's auto dtype becomes bf16. In the steps the bf16 copies run, the decoder layers' norms, the
-products and SwiGLU hand each other bf16 rather than converting at each product: the same floats, a pass
-over the step's activations fewer (models/llama.py: narrow_activations). `--dtype float32` turns all of it off: the exact mode that the
+memory: 2 bytes a weight): on AMX in the tile kernel's own layout (kernels/qgemm_amx.cpp), elsewhere
+prepacked in oneDNN's (gpu_worker/layers/linear.py: prepack_bf16);
+the KV cache's auto dtype becomes bf16. In the steps oneDNN's bf16 copies run (the tiles take fp32 in
+and give fp32 out), the decoder layers' norms, the products and SwiGLU hand each other bf16 rather than
+converting at each product: the same floats, a pass over the step's activations fewer (models/llama.py:
+narrow_activations). `--dtype float32` turns all of it off: the exact mode that the
 HF-equality tests use. Its quality against fp32 is measured by loadtest/quality.py (top-1 agreement
 99.33% on the shared workload, mean KL 0.00021 nats, 2026-12-06 after the AMX tile GEMM). A token's result depends on which rows shared its steps (as on a GPU):
 greedy outputs are not batch-invariant in this mode.
