@@ -141,10 +141,12 @@ class EngineProcesses:
         return None
 
     def _stop_engine(self, now: float) -> None:
+        """SIGTERM for the ranks; SIGUSR1 for the scheduler, which then fails its requests with an engine
+        error (scheduler_process.py) rather than ending them as aborted, as a graceful stop does."""
         log.error("tensor-parallel engine: stopping its other processes to restart the group whole")
         for p in self.procs[:self.num_engine]:
             if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+                p.send_signal(signal.SIGUSR1 if p is self.scheduler else signal.SIGTERM)
         self.kill_at = now + STOP_GRACE_S
 
     @property

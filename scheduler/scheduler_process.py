@@ -44,6 +44,7 @@ class SchedulerProcess:
         self.clients: dict[bytes, float] = {}        # router identity -> last heard
         self.owner: dict[str, bytes] = {}            # request id -> router identity
         self.dead: str | None = None
+        self.broken: str | None = None                 # SIGUSR1: another process of the group died
         self.ready = False
         self.stopping = False
         self.inflight: list[SchedulerOutput] = []
@@ -58,6 +59,7 @@ class SchedulerProcess:
     # ---- main loop ---------------------------------------------------------------------------
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        signal.signal(signal.SIGUSR1, lambda *_: self._group_broken())
         self._warm_up()
         while not self.stopping:
             try:
@@ -69,7 +71,17 @@ class SchedulerProcess:
             except WorkerDied as e:
                 self._die(str(e))
             self._heartbeat()
+        if self.broken and not self.dead:
+            self._die(self.broken)
         self._shutdown()
+
+    def _group_broken(self) -> None:
+        """`pagedserve serve`'s word (SIGUSR1) that another process of this tensor-parallel group died and
+        the group restarts whole: what runs fails as on a dead engine, with an error each stream shows,
+        instead of ending as aborted as on a graceful stop (SIGTERM). It may come before this process
+        sees the rank go."""
+        self.broken = "a tensor-parallel rank exited; the engine restarts whole"
+        self.stopping = True
 
     def _busy(self) -> bool:
         return bool(self.inflight) or (not self.dead and self.sched.has_unfinished())
@@ -262,7 +274,7 @@ class SchedulerProcess:
         if ids:
             self._route(self.sched.abort_requests(ids))
         self.executor.shutdown()
-        self.front.close(0)
+        self.front.close(linger=1000)     # what was just routed (errors, aborts) still reaches the routers
         self.ctx.term()
 
 

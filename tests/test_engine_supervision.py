@@ -54,3 +54,38 @@ def test_after_the_engine_came_up_a_dead_child_is_restarted_after_its_backoff(tm
     assert eng.restart_exited(now=11.0) is None and eng.procs[0] is not first
     assert started == [["scheduler", "--frontend", "x"]] * 2 and eng.restarts == 1
     assert eng.restart_exited(now=11.5) is None and eng.restart_at == {0: 13.5}   # died again: 2 s
+
+
+CHILD = """
+import signal, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+for sig in (signal.SIGTERM, signal.SIGUSR1):
+    signal.signal(sig, lambda s, _: (out.write_text(signal.Signals(s).name), sys.exit(0)))
+out.write_text("ready")
+if sys.argv[2] == "die":
+    sys.exit(1)
+while True:
+    signal.pause()
+"""
+
+
+def test_a_tensor_parallel_group_stops_whole_and_tells_its_scheduler_why(tmp_path, monkeypatch) -> None:
+    """A rank exits: the other rank gets SIGTERM, and the scheduler SIGUSR1, on which it fails its
+    requests with an engine error rather than ending them as aborted (scheduler_process.py)."""
+    from tests.server_utils import wait_until
+
+    def popen(cli_args, env):
+        return subprocess.Popen([sys.executable, "-c", CHILD, *cli_args])
+    monkeypatch.setattr(EngineProcesses, "_popen", staticmethod(popen))
+    eng = EngineProcesses(str(tmp_path), "ipc://unused")
+    files = [tmp_path / f"{name}.txt" for name in ("scheduler", "rank0", "rank1")]
+    for f, mode in zip(files, ("wait", "wait", "die")):
+        eng.spawn([str(f), mode])
+    eng.num_engine, eng.whole_engine = 3, True
+    Path(eng.ready_file).touch()
+    wait_until(lambda: all(f.exists() for f in files) and eng.procs[2].poll() is not None, 30,
+               "the children to install their handlers and rank 1 to exit")
+    assert eng.restart_exited(now=10.0) is None
+    for p in eng.procs[:2]:
+        p.wait(timeout=30)
+    assert [f.read_text() for f in files] == ["SIGUSR1", "SIGTERM", "ready"]
