@@ -175,8 +175,9 @@ def test_large_steps_with_bf16_activations_give_the_same_floats(tiny_model, tmp_
     from pagedserve import LLM, SamplingParams
     from gpu_worker.layers.norm import RMSNorm
     from tests.gguf_files import from_hf_model
+    import shutil
     monkeypatch.setenv("PAGEDSERVE_CPU_BF16", "1")
-    folder = tiny_model("llama")
+    folder = shutil.copytree(tiny_model("llama"), tmp_path / "llama")   # from_hf_model rewrites its folder
     path = from_hf_model(folder, tmp_path / "model.gguf", {}, default=T.Q4_1)
     llm = LLM(str(path), tokenizer=str(folder), dtype="auto", kv_cache_memory=0.05, swap_space=0,
               enable_prefix_caching=False)

@@ -309,8 +309,10 @@ def test_draft_cache_holds_exactly_the_verified_tokens(tiny_case, draft_folder) 
             check(st)
     proposer.observe = checked_observe
     prompt = [1000, 1001, 1002, 1003, 1000, 1002, 1001, 1003] * 2
-    sp = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, logit_bias={t: 30.0 for t in four})
-    llm.generate([prompt] * 6, sp, use_tqdm=False)
+    # seeded, so the acceptance does not hang on the process's random state
+    sps = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True, logit_bias={t: 30.0 for t in four})
+           for i in range(6)]
+    llm.generate([prompt] * 6, sps, use_tqdm=False)
     st = llm.stats
     assert 0.2 * st.spec_num_draft_tokens < st.spec_num_accepted_tokens < 0.8 * st.spec_num_draft_tokens, vars(st)
     assert len(checked) > 50 and max(checked) > len(prompt) + 30
