@@ -1,7 +1,8 @@
 """Builds and loads the C++ CPU kernels (qgemm.cpp: quantized matmuls; qgemm_amx.cpp: the same on AMX
 tiles; paged_attention.cpp: attention on the paged KV cache; fp8_round.cpp: keys into an fp8 cache; and
 a decoder layer's glue, each one pass instead of several torch ops: rms_norm.cpp (with the residual add
-before it), rope.cpp, silu_mul.cpp, kv_write.cpp) and says which instruction set they may use.
+before it), rope.cpp, silu_mul.cpp, kv_write.cpp; decoder_stack.cpp: a plain model's layers calling them
+in one call a step) and says which instruction set they may use.
 
 The library is plain C ABI loaded with ctypes, so it needs no torch headers and builds in seconds with
 the system g++ during scripts/setup.sh (`python -m gpu_worker.kernels.native`). It links OpenMP by
@@ -26,10 +27,10 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
 SOURCES = tuple(HERE / f for f in ("qgemm.cpp", "qgemm_amx.cpp", "paged_attention.cpp", "rms_norm.cpp", "fp8_round.cpp",
-                                   "rope.cpp", "silu_mul.cpp", "kv_write.cpp"))
+                                   "rope.cpp", "silu_mul.cpp", "kv_write.cpp", "decoder_stack.cpp"))
 HEADERS = (HERE / "fp8.h", HERE / "qweights.h", HERE / "amx.h", HERE / "vec8.h", HERE / "kv_prefetch.h")
 LIBRARY = HERE / "_build" / "libpsq.so"
-ABI_VERSION = 13
+ABI_VERSION = 14
 ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}     # the levels every kernel has
 AMX = 3    # above avx512, the attention kernel's own: AMX-BF16 tiles for bf16 caches (attention_isa)
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
@@ -146,6 +147,10 @@ def library() -> ctypes.CDLL | None:
     lib.psq_kv_write.restype = i
     lib.psq_fp8_round_feedback.argtypes = [p, p, p, i, i, i, f, i, i]
     lib.psq_fp8_round_feedback.restype = i
+    lib.psq_stack_scratch.argtypes = [i, i, i, i, i, i]
+    lib.psq_stack_scratch.restype = ll
+    lib.psq_decoder_stack.argtypes = [p, p, i]
+    lib.psq_decoder_stack.restype = i
     lib.psq_amx_ready.argtypes = []
     lib.psq_amx_ready.restype = i
     return lib

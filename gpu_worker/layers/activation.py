@@ -37,7 +37,12 @@ def exact_on_bf16(gated_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """Whether `gated_fn` (from gated()) gives the bf16 halves of a bf16 matmul's output the fp32 result it
     gives their fp32 copies, rounded to bf16 (what the next bf16 matmul would round it to): the native
     SwiGLU where the library is loaded. An MLP may then run large steps in bf16 (layers/norm.py)."""
-    return gated_fn is _silu_mul and native.available()
+    return native_swiglu(gated_fn) and native.available()
+
+
+def native_swiglu(gated_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
+    """Whether `gated_fn` (from gated()) is SwiGLU through silu_mul.cpp (models/native_stack.py calls it)."""
+    return gated_fn is _silu_mul
 
 
 def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,8 @@ from gpu_worker.layers.kv_rotation import KVCentres
 from gpu_worker.layers.linear import Linear
 from gpu_worker.layers.norm import RMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding, Rotation
+from gpu_worker.models import native_stack
+from gpu_worker.models.native_stack import NativeStack
 from gpu_worker.parallel import tp
 
 
@@ -155,6 +157,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Subclasses change the parts through make_layer / make_mlp / rotations / embed, not the loop."""
+    _native_stack: NativeStack | None | bool = False     # False: not built yet (native_stack.build, lazily)
 
     def __init__(self, c: ModelConfig, dtype: torch.dtype, max_positions: int):
         super().__init__()
@@ -196,10 +199,21 @@ class LlamaForCausalLM(nn.Module):
         whose layers read different KV groups, common/kv_layout.py); the model only passes it along.
         `seq_ends` [T]: each row's sequence's known length this step (LongRoPE reads it)."""
         x, residual = self.embed(input_ids), None
+        stack = self.native_decoder()
+        done = stack.run(x, positions, kv_caches, meta, seq_ends) if stack is not None else None
+        if done is not None:
+            return self.norm.add_forward(done[1], done[0])[1]
         metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
         for layer, rot, kv, m in zip(self.layers, self.rotations(positions, x.dtype, seq_ends), kv_caches, metas):
             x, residual = layer(x, rot, kv, m, backend, residual)    # the stream is x + residual
         return self.norm(x) if residual is None else self.norm.add_forward(residual, x)[1]
+
+    def native_decoder(self) -> NativeStack | None:
+        """The decoder layers as one native call (models/native_stack.py), built at the first step: by then
+        the runner has set up what decides it (LoRA, narrowed norms, fp8 rotations)."""
+        if self._native_stack is False:
+            self._native_stack = native_stack.build(self)
+        return self._native_stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return gather_logits(self.lm_head(hidden), self.config.vocab_size)
