@@ -4,10 +4,11 @@
 
 The weights are SmolLM2-135M's 30 layers of projections (qkv 960x576, o 576x576, gate+up 3072x576, down
 576x1536) with random 4-bit values, 120 distinct matrices (~80 MB packed, ~425 MB as fp32), so neither
-side runs from cache: a decode step's conditions. For each row count it times all 120 products three
-ways, alternated per repeat: torch's fp32 GEMM, the native kernel (`direct`), and the expansion into fp32
-followed by the fp32 GEMM (`expand+gemm`, what steps above GEMM_MAX_ROWS[isa] do). The crossover of `direct`
-and `expand+gemm` is where GEMM_MAX_ROWS belongs.
+side runs from cache: a decode step's conditions. For each row count it times all 120 products in turn,
+alternated per repeat: torch's fp32 GEMM on resident fp32 weights, the native kernel (`direct`), the
+expansion into fp32 followed by the fp32 GEMM (`expand+gemm`), and on AVX2 the panel kernel
+(qgemm_panel.cpp, `panels`). The crossover of `direct` and the others is where GEMM_MAX_ROWS belongs, that
+of `panels` and `expand+gemm` PANEL_MAX_ROWS.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def layers(num_layers: int = 30) -> list[PackedWeight]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16, 32, 64])
+    p.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16, 32, 64, 128, 256])
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     lib = native.library()
@@ -43,7 +44,9 @@ def main() -> None:
     dense = [w.dequantize() for w in packed]
     ways = {"fp32": lambda i, x: torch.nn.functional.linear(x, dense[i]),
             "direct": lambda i, x: packed[i]._native_gemm(lib, x, None),
-            "expand+gemm": lambda i, x: torch.nn.functional.linear(x, packed[i]._dequantize_fast(lib))}
+            "expand+gemm": lambda i, x: torch.nn.functional.linear(x, packed[i]._dequantize_fast(lib, scratch=True))}
+    if native.cpu_isa() == native.ISA_LEVELS["avx2"]:
+        ways["panels"] = lambda i, x: packed[i]._panel_gemm(lib, x, None)
     print(f"isa level {native.cpu_isa()}, {torch.get_num_threads()} threads; ms for all {len(packed)} products")
     print(f"{'rows':>5} " + " ".join(f"{w:>12}" for w in ways) + f" {'direct x':>9}")
     for rows in args.rows:

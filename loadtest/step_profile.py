@@ -7,8 +7,10 @@ Runs the speculative benchmark's grounded workload (loadtest/spec_workload.jsonl
 `--concurrency` through LLM.generate, with and without the given speculative config (default: without),
 and prints, per kind of step (rows it ran: 1 = a decode, 5 = a verification of 4 drafts, "prefill" = more
 than 16 rows), the step count and median time; then the packed GEMMs' time per step, split into the
-decoder layers and the lm_head. The rest of a step is attention, norms, rope, sampling and Python. This is
-the profile behind the #8 / #16 notes: with it, a change to the hot path shows where it moved the time.
+decoder layers and the lm_head (where the native stack, models/native_stack.py, runs a step's layers, its
+time instead: PAGEDSERVE_NATIVE_STACK=0 splits them). The rest of a step is attention, norms, rope,
+sampling and Python. This is the profile behind the #8 / #16 notes: with it, a change to the hot path shows
+where it moved the time.
 
 With --decode-batch B: B distinct prompts of --context tokens are prefilled, then 10 steps that each decode
 exactly B tokens are timed (loadtest/roofline.py's decode measurement), split into the linear layers
@@ -27,6 +29,7 @@ from typing import Any
 from gpu_worker import model_runner
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.layers.linear import Linear
+from gpu_worker.models.native_stack import NativeStack
 from gpu_worker.quantization import packed
 from loadtest.spec_bench import grounded_llm, run_waves
 
@@ -42,7 +45,9 @@ class StepTimer:
         self.gemm: dict[tuple[int, str], float] = defaultdict(float)
         self.gemm_calls: dict[tuple[int, str], int] = defaultdict(int)
         self.vocab = -1                 # the lm_head's output features, once the model is known
+        self.stack: dict[int, float] = defaultdict(float)       # native stack time by step rows
         self._execute, self._gemm = model_runner.ModelRunner.execute, packed.PackedWeight._native_gemm
+        self._stack = NativeStack.run
 
         def execute(runner, sched):
             t0 = time.perf_counter()
@@ -59,20 +64,33 @@ class StepTimer:
             self.gemm_calls[key] += 1
             return y
 
+        def stack(st, x, *args):
+            t0 = time.perf_counter()
+            out = self._stack(st, x, *args)
+            if out is not None:
+                self.stack[x.shape[0]] += time.perf_counter() - t0
+            return out
+
         model_runner.ModelRunner.execute, packed.PackedWeight._native_gemm = execute, gemm
+        NativeStack.run = stack
 
     def clear(self) -> None:
-        for d in (self.steps, self.gemm, self.gemm_calls):
+        for d in (self.steps, self.gemm, self.gemm_calls, self.stack):
             d.clear()
 
     def restore(self) -> None:
         model_runner.ModelRunner.execute, packed.PackedWeight._native_gemm = self._execute, self._gemm
+        NativeStack.run = self._stack
 
     def report(self) -> str:
         lines = []
         for kind, ts in sorted(self.steps.items(), key=lambda kv: str(kv[0])):
             lines.append(f"  step rows {kind!s:>7}: {len(ts):4} steps, median {statistics.median(ts) * 1e3:7.2f} ms, "
                          f"total {sum(ts):6.2f} s")
+        for rows, t in sorted(self.stack.items()):
+            steps = len(self.steps.get(rows if rows <= PREFILL_ROWS else "prefill", [])) or 1
+            lines.append(f"  native stack rows {rows:2}: {t / steps * 1e3:6.2f} ms a step, every layer (its GEMMs "
+                         f"are not timed apart: PAGEDSERVE_NATIVE_STACK=0 runs the layers)")
         for (rows, part), t in sorted(self.gemm.items()):
             steps = len(self.steps.get(rows, [])) or 1
             lines.append(f"  packed GEMM rows {rows:2} {part:7}: {t / steps * 1e3:6.2f} ms a step "
@@ -84,7 +102,8 @@ class PartTimer:
     """Wraps the parts of a step (in-process engine only) and sums each one's time over the steps of
     exactly `rows` rows; a part called inside another (the lm_head inside sampling) counts in both."""
     PARTS = {"linear": (Linear, "forward"), "attention": (TorchAttentionBackend, "forward"),
-             "kv write": (TorchAttentionBackend, "write_kv"), "sampling": (model_runner.ModelRunner, "_sample")}
+             "kv write": (TorchAttentionBackend, "write_kv"), "sampling": (model_runner.ModelRunner, "_sample"),
+             "native stack": (NativeStack, "run")}
 
     def __init__(self, rows: int) -> None:
         self.rows, self.steps, self.step_s = rows, 0, 0.0

@@ -15,7 +15,7 @@ from gpu_worker.layers.linear import Linear
 from gpu_worker.quantization import linear_method, resolve_quantization
 from gpu_worker.quantization.gguf import GGUFTensor
 from gpu_worker.quantization.gguf_blocks import SUPPORTED
-from gpu_worker.quantization.packed import GEMM_MAX_ROWS, GroupQuant, PackedWeight
+from gpu_worker.quantization.packed import GEMM_MAX_ROWS, PANEL_MAX_ROWS, PANELS, VECTOR, GroupQuant, PackedWeight
 from tests.gguf_files import gguf_tensor
 
 pytestmark = pytest.mark.unit
@@ -104,6 +104,32 @@ def test_four_bit_groups_of_sixteen(isa, force_isa):
     want = x.double() @ w.t()
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-6
     assert torch.equal(torch.cat([pw.matmul(x[i:i + 1]) for i in range(9)]), got)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K, T.Q4_K], ids=lambda q: q.name)
+def test_the_avx2_panels_take_the_steps_beyond_the_vector_kernel(qtype, force_isa):
+    """kernels/qgemm_panel.cpp: steps of GEMM_MAX_ROWS + 1 to PANEL_MAX_ROWS rows on AVX2, against fp64 with
+    a bias, for every row tail (16-row tiles, 8-row vectors) and a feature count that leaves a block of
+    four; a row's result is the same whatever the step's size."""
+    if not native.available():
+        pytest.fail("the native kernels did not build; scripts/setup.sh builds them")
+    force_isa("avx2")
+    if native.cpu_isa() < native.ISA_LEVELS["avx2"]:
+        pytest.skip("this CPU has no avx2")
+    t = gguf_tensor(qtype, 40, 256, seed=4)
+    pw, w = t.pack(), ref_weights(t).double()
+    bias = torch.randn(40)
+    x = torch.randn(PANEL_MAX_ROWS, 256)
+    full = pw.matmul(x, bias)
+    want = x.double() @ w.t() + bias.double()
+    assert ((full.double() - want).abs().max() / want.abs().max()).item() < 1e-6
+    first = GEMM_MAX_ROWS[native.cpu_isa()] + 1
+    for rows in (first, 47, 48, 49, 57, 64, 100, PANEL_MAX_ROWS):
+        assert pw.kernel_for(rows) == PANELS
+        assert torch.equal(pw.matmul(x[:rows], bias), full[:rows]), rows
+    assert pw.kernel_for(first - 1) == VECTOR and pw.kernel_for(PANEL_MAX_ROWS + 1) is None
+    force_isa("portable")
+    assert pw.kernel_for(first) is None               # portable code, as AVX-512 (unmeasured there): BLAS
 
 
 def test_large_steps_and_the_torch_fallback_agree(monkeypatch):

@@ -90,6 +90,29 @@ def test_decode_steps_through_the_stack_give_the_layered_floats(tiny_model, tmp_
 
 
 @pytest.mark.slow
+def test_a_batch_beyond_the_vector_kernel_takes_the_panels_in_the_stack(tiny_model, tmp_path, monkeypatch,
+                                                                        force_isa):
+    """48 decodes a step on AVX2: every product on the panel kernel (PackedWeight.kernel_for), inside the
+    stack as in the layers."""
+    from pagedserve import SamplingParams
+    from gpu_worker.quantization.packed import PANELS
+    force_isa("avx2")
+    if native.cpu_isa() < native.ISA_LEVELS["avx2"]:
+        pytest.skip("this CPU has no avx2")
+    calls = StackCalls(monkeypatch)
+    path, folder = _gguf(tiny_model, tmp_path, "llama")
+    llm = _llm(path, folder, max_num_seqs=64)
+    try:
+        prompts = [[(5 * i + 3 * j) % 700 + 9 for j in range(6 + i % 5)] for i in range(48)]
+        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+        _same_with_and_without(llm, prompts, sp, calls)
+        assert 48 in calls.ran, calls.ran
+        assert llm.engine.executor.runner.model.layers[0].mlp.down_proj.packed.kernel_for(48) == PANELS
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.slow
 def test_verification_steps_and_qkv_bias_take_the_stack_too(tiny_model, tmp_path, monkeypatch):
     """Qwen2 (a bias on the qkv projection) as an AWQ checkpoint, with n-gram speculation: steps of k + 1
     rows a sequence."""

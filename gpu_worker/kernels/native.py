@@ -1,8 +1,9 @@
-"""Builds and loads the C++ CPU kernels (qgemm.cpp: quantized matmuls; qgemm_amx.cpp: the same on AMX
-tiles; paged_attention.cpp: attention on the paged KV cache; fp8_round.cpp: keys into an fp8 cache; and
-a decoder layer's glue, each one pass instead of several torch ops: rms_norm.cpp (with the residual add
-before it), rope.cpp, silu_mul.cpp, kv_write.cpp; decoder_stack.cpp: a plain model's layers calling them
-in one call a step) and says which instruction set they may use.
+"""Builds and loads the C++ CPU kernels (qgemm.cpp: quantized matmuls; qgemm_panel.cpp: the same for
+many rows on AVX2; qgemm_amx.cpp: the same on AMX tiles; paged_attention.cpp: attention on the paged KV
+cache; fp8_round.cpp: keys into an fp8 cache; and a decoder layer's glue, each one pass instead of several
+torch ops: rms_norm.cpp (with the residual add before it), rope.cpp, silu_mul.cpp, kv_write.cpp;
+decoder_stack.cpp: a plain model's layers calling them in one call a step) and says which instruction set
+they may use.
 
 The library is plain C ABI loaded with ctypes, so it needs no torch headers and builds in seconds with
 the system g++ during scripts/setup.sh (`python -m gpu_worker.kernels.native`). It links OpenMP by
@@ -26,8 +27,9 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = tuple(HERE / f for f in ("qgemm.cpp", "qgemm_amx.cpp", "paged_attention.cpp", "rms_norm.cpp", "fp8_round.cpp",
-                                   "rope.cpp", "silu_mul.cpp", "kv_write.cpp", "decoder_stack.cpp"))
+SOURCES = tuple(HERE / f for f in ("qgemm.cpp", "qgemm_panel.cpp", "qgemm_amx.cpp", "paged_attention.cpp",
+                                   "rms_norm.cpp", "fp8_round.cpp", "rope.cpp", "silu_mul.cpp", "kv_write.cpp",
+                                   "decoder_stack.cpp"))
 HEADERS = (HERE / "fp8.h", HERE / "qweights.h", HERE / "amx.h", HERE / "vec8.h", HERE / "kv_prefetch.h")
 LIBRARY = HERE / "_build" / "libpsq.so"
 ABI_VERSION = 14
@@ -125,6 +127,8 @@ def library() -> ctypes.CDLL | None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.psq_gemm.argtypes = [p, i, i, p, p, p, i, i, i, p, p, i]
     lib.psq_gemm.restype = None
+    lib.psq_gemm_panel.argtypes = [p, i, i, p, p, p, i, i, i, p, p]
+    lib.psq_gemm_panel.restype = None
     lib.psq_dequantize.argtypes = [p, p, p, i, i, i, i, p, i]
     lib.psq_dequantize.restype = None
     lib.psq_gemm_amx.argtypes = [p, i, i, p, p, p, i, i, i, p, p, p]

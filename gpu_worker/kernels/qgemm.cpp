@@ -129,36 +129,6 @@ __attribute__((target("avx2,fma,f16c"))) inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-__attribute__((target("avx2,fma,f16c"))) inline void expand_avx2(const Args& a, int n, int k, __m256 w[4]) {
-    if (a.bits == 4) {
-        const __m128i b = _mm_loadu_si128((const __m128i*)(a.q + (int64_t)n * (a.K / 2) + k / 2));
-        const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
-        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-    } else if (a.bits == FP8) {
-        const uint8_t* qr = a.q + (int64_t)n * a.K + k;
-        for (int i = 0; i < 4; ++i) {
-            const __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(qr + 8 * i)));
-            const __m128i bits = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8),
-                                              _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7));
-            w[i] = _mm256_mul_ps(_mm256_cvtph_ps(bits), _mm256_set1_ps(256.f));
-        }
-    } else {
-        const int8_t* qr = reinterpret_cast<const int8_t*>(a.q) + (int64_t)n * a.K + k;
-        for (int i = 0; i < 4; ++i)
-            w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(qr + 8 * i))));
-    }
-    const float* sc = a.scale + (int64_t)n * groups(a);
-    const float* of = a.offset + (int64_t)n * groups(a);
-    for (int i = 0; i < 4; ++i) {
-        const int g = (k + 8 * i) >> a.gs;
-        w[i] = _mm256_fmadd_ps(w[i], _mm256_set1_ps(sc[g]), _mm256_set1_ps(of[g]));
-    }
-}
-
 template <int MT>
 __attribute__((target("avx2,fma,f16c"))) void row_avx2(const Args& a, int n, int m0) {
     __m256 acc[MT][2];

@@ -1,5 +1,5 @@
 // The packed weight formats of qgemm.cpp (its header says them) and their expansion into fp32 vectors,
-// shared by the vector kernels (qgemm.cpp) and the AMX one (qgemm_amx.cpp), so both expand a weight
+// shared by the vector kernels (qgemm.cpp, qgemm_panel.cpp) and the AMX one (qgemm_amx.cpp), so both expand a weight
 // to the same value bit for bit.
 #pragma once
 #include <immintrin.h>
@@ -69,6 +69,39 @@ __attribute__((target("avx512f,avx512bw,fma"))) inline void expand_avx512(const 
     if (a.bits == 4) weights_avx512<4>(a.q + (int64_t)n * (a.K / 2), k, sc, of, g0, g1, w0, w1);
     else if (a.bits == FP8) weights_avx512<FP8>(a.q + (int64_t)n * a.K, k, sc, of, g0, g1, w0, w1);
     else weights_avx512<8>(a.q + (int64_t)n * a.K, k, sc, of, g0, g1, w0, w1);
+}
+
+// ---- AVX2 expansion ----------------------------------------------------------------------
+// Weights k..k+31 of row n, expanded into four vectors of eight (the vector kernel and the panels of
+// qgemm_panel.cpp).
+__attribute__((target("avx2,fma,f16c"))) inline void expand_avx2(const Args& a, int n, int k, __m256 w[4]) {
+    if (a.bits == 4) {
+        const __m128i b = _mm_loadu_si128((const __m128i*)(a.q + (int64_t)n * (a.K / 2) + k / 2));
+        const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    } else if (a.bits == FP8) {
+        const uint8_t* qr = a.q + (int64_t)n * a.K + k;
+        for (int i = 0; i < 4; ++i) {
+            const __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(qr + 8 * i)));
+            const __m128i bits = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8),
+                                              _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7));
+            w[i] = _mm256_mul_ps(_mm256_cvtph_ps(bits), _mm256_set1_ps(256.f));
+        }
+    } else {
+        const int8_t* qr = reinterpret_cast<const int8_t*>(a.q) + (int64_t)n * a.K + k;
+        for (int i = 0; i < 4; ++i)
+            w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(qr + 8 * i))));
+    }
+    const float* sc = a.scale + (int64_t)n * groups(a);
+    const float* of = a.offset + (int64_t)n * groups(a);
+    for (int i = 0; i < 4; ++i) {
+        const int g = (k + 8 * i) >> a.gs;
+        w[i] = _mm256_fmadd_ps(w[i], _mm256_set1_ps(sc[g]), _mm256_set1_ps(of[g]));
+    }
 }
 
 // The bytes of feature n (values, scales, offsets) requested into the cache ahead of their use; the

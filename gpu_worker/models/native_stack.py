@@ -12,7 +12,8 @@ rotation; an MLP with SwiGLU), every projection packed (GGUF, AWQ, GPTQ without 
 plain packed method (no LoRA, no fp8 method), one tensor-parallel rank, a plain rope table (no LongRoPE).
 Which steps: fp32 activations on the CPU, an fp32 or bf16 cache, every sequence run by the attention
 kernel (decodes, speculative verification: no prefill chunk), one KV group, and a row count whose every
-product the packed kernels run (up to the vector kernel's rows, or the AMX tiles beyond). Anything else
+product one native kernel runs (PackedWeight.kernel_for: the vector kernel, the AMX tiles or the AVX2
+panels). Anything else
 takes the layered path. PAGEDSERVE_NATIVE_STACK=0 turns it off (A/B runs, loadtest/step_profile.py).
 """
 from __future__ import annotations
@@ -27,11 +28,12 @@ from gpu_worker.attention.cpu_attention import KV_DTYPE_CODES
 from gpu_worker.kernels import native
 from gpu_worker.layers.activation import native_swiglu
 from gpu_worker.parallel import tp
-from gpu_worker.quantization.packed import AMX_TILE_CALL_ROWS, PackedWeight
+from gpu_worker.quantization.packed import AMX_TILE_CALL_ROWS, PANELS, TILES, VECTOR, PackedWeight
 from gpu_worker.quantization.packed_linear import PackedLinearMethod
 
 p, i32, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 CACHE_CODES = (KV_DTYPE_CODES[torch.float32], KV_DTYPE_CODES[torch.bfloat16])   # what psq_kv_write takes
+KERNELS = {VECTOR: 0, TILES: 1, PANELS: 2}          # StackStep.kernel
 
 
 class StackWeight(ctypes.Structure):
@@ -48,7 +50,7 @@ class StackStep(ctypes.Structure):
     _fields_ = [("rows", i32), ("hidden", i32), ("q_heads", i32), ("kv_heads", i32), ("head_dim", i32),
                 ("inter", i32), ("rot", i32), ("eps", f32), ("scale", f32), ("cos", p), ("sin", p), ("slots", p),
                 ("tables", p), ("lens", p), ("q_start", p), ("seqs", i32), ("max_blocks", i32),
-                ("block_size", i32), ("kv_dtype", i32), ("gemm_rows", i32), ("tile_call_rows", i32), ("isa", i32),
+                ("block_size", i32), ("kv_dtype", i32), ("kernel", i32), ("tile_call_rows", i32), ("isa", i32),
                 ("attention_isa", i32), ("x", p), ("residual", p), ("out", p), ("scratch", p)]
 
 
@@ -70,7 +72,8 @@ class NativeStack:
         self.eps, self.scale = first.input_layernorm.eps, attn.scale
         self.layers = (StackLayer * len(weights))(*(self._layer(layer, w) for layer, w in zip(model.layers, weights)))
         self._caches: list | None = None         # the kv_caches list the layers' cache pointers were set from
-        self._limits: tuple[int, int, int] | None = None      # (isa, smallest, largest native rows)
+        self._kernels: dict[int, int | None] = {}         # rows -> _kernel(rows), at the ISA level below
+        self._kernel_isa = -1
         self._scratch = torch.empty(0, dtype=torch.float32)
 
     @staticmethod
@@ -79,18 +82,16 @@ class NativeStack:
         return StackLayer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                           *(_weight(pw, m.bias) for pw, m in zip(w, mods)), None, None, layer.self_attn.window or 0)
 
-    def _gemm_rows(self, rows: int) -> int | None:
-        """The step's `gemm_rows` (the packed vector kernel up to it, the tiles beyond), or None where some
-        product would take neither (the layered path's oneDNN or fp32 expansion)."""
+    def _kernel(self, rows: int) -> int | None:
+        """The native kernel every product of a step of `rows` rows takes (PackedWeight.kernel_for), as
+        decoder_stack.cpp numbers them, or None where they differ or one would take torch's GEMM."""
         isa = native.cpu_isa()
-        if self._limits is None or self._limits[0] != isa:
-            limits = [pw.max_native_rows() for ws in self.weights for pw in ws]
-            self._limits = (isa, min(limits), max(limits))
-        _, lo, hi = self._limits
-        if rows <= lo:
-            return lo
-        tiles = all(pw.tiles is not None for ws in self.weights for pw in ws)
-        return lo if tiles and rows > hi else None
+        if self._kernel_isa != isa:
+            self._kernels, self._kernel_isa = {}, isa
+        if rows not in self._kernels:
+            kinds = {pw.kernel_for(rows) for ws in self.weights for pw in ws}
+            self._kernels[rows] = KERNELS.get(kinds.pop()) if len(kinds) == 1 else None
+        return self._kernels[rows]
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: Any,
             seq_ends: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -103,8 +104,8 @@ class NativeStack:
             return None
         k0 = kv_caches[0][0]
         code = KV_DTYPE_CODES.get(k0.dtype)
-        gemm_rows = self._gemm_rows(rows)
-        if code not in CACHE_CODES or not k0.is_contiguous() or gemm_rows is None or not _slots_ok(meta):
+        kernel = self._kernel(rows)
+        if code not in CACHE_CODES or not k0.is_contiguous() or kernel is None or not _slots_ok(meta):
             return None
         self._set_caches(kv_caches)
         rot = self.model.rope.at(positions, x.dtype, seq_ends)
@@ -118,7 +119,7 @@ class NativeStack:
         step = StackStep(rows, hidden, hq, hkv, d, inter, rot.cos.shape[-1], self.eps, self.scale,
                          rot.cos.data_ptr(), rot.sin.data_ptr(), slots.data_ptr(), nr.tables.data_ptr(),
                          nr.lens.data_ptr(), nr.q_start.data_ptr(), nr.lens.shape[0], nr.tables.shape[1],
-                         k0.shape[1], code, gemm_rows, AMX_TILE_CALL_ROWS, native.cpu_isa(), native.attention_isa(),
+                         k0.shape[1], code, kernel, AMX_TILE_CALL_ROWS, native.cpu_isa(), native.attention_isa(),
                          x.data_ptr(), residual.data_ptr(), out.data_ptr(), self._scratch.data_ptr())
         rc = lib.psq_decoder_stack(ctypes.byref(step), self.layers, len(self.layers))
         if rc:

@@ -4,10 +4,10 @@ GGUF blocks today, and any 4/8-bit format with per-group scales and zero points,
 w[n, k] = scale[n, g] * q[n, k] + offset[n, g]. Values 0..15 (with K a multiple of 32) are packed two to
 a byte; anything else takes a byte. On the CPU the native kernel (gpu_worker/kernels) expands the values
 in registers for steps of up to `GEMM_MAX_ROWS[isa]` rows, where reading fewer bytes is the whole win; larger
-steps expand the weight once into fp32 and use the BLAS GEMM, or, in `--dtype auto` on bf16 hardware,
-run on a bf16 copy held once (keep_expanded: oneDNN's GEMM on it, or on AMX the tile kernel on its own
-bf16 copy for every step from AMX_NATIVE_MAX_ROWS);
-without the native library the same expansion is done in torch, slower, with the same values. On CUDA a
+steps run on AVX2 the panel kernel up to PANEL_MAX_ROWS, else expand the weight once into fp32 and use the
+BLAS GEMM, or, in `--dtype auto` on bf16 hardware, run on a bf16 copy held once (keep_expanded: oneDNN's
+GEMM on it, or on AMX the tile kernel on its own bf16 copy for every step from AMX_NATIVE_MAX_ROWS);
+`kernel_for` says which. Without the native library the same expansion is done in torch, slower, with the same values. On CUDA a
 Triton GEMM (kernels/triton_qgemm) dequantizes each weight tile in registers.
 """
 from __future__ import annotations
@@ -44,7 +44,14 @@ AMX_NATIVE_MAX_ROWS = 8
 # k + 1 <= 8 rows reproduces plain decoding bit for bit. Steps of more than AMX_TILE_CALL_ROWS rows (a
 # token budget beyond the default) go in calls of that many: each call keeps its rows' inputs in L2.
 AMX_TILE_CALL_ROWS = 512
+# On AVX2 without a bf16 copy, steps from GEMM_MAX_ROWS up to this many rows run the panel kernel
+# (kernels/qgemm_panel.cpp: each weight expanded once a call into a cached panel, a 16x6 register-blocked
+# micro-kernel); larger ones the fp32 expansion and torch's GEMM. SmolLM2's 120 products on a 2-core Zen3:
+# 79.7 ms against 102.5 (direct) and 104.0 (expand+gemm) at 40 rows, 108.0 against 140.2 at 64, 219.7
+# against 227.1 at 128, 352.5 against 325.1 at 192 (loadtest/results/qgemm_panel_2026-12-07_avx2.txt).
+PANEL_MAX_ROWS = 128
 FP8_BITS = 9         # q holds float8_e4m3fn bytes (the native kernel's code for them)
+VECTOR, TILES, PANELS = "vector", "tiles", "panels"     # the native kernels of a step (kernel_for)
 
 
 @dataclass
@@ -190,10 +197,13 @@ class PackedWeight:
         if bias is not None and bias.dtype != torch.float32:
             bias = bias.float()
         lib = native.library_for(x)
-        if lib is not None and rows <= self.max_native_rows():
+        kernel = self.kernel_for(rows) if lib is not None else None
+        if kernel == VECTOR:
             y = self._native_gemm(lib, x2, bias)
-        elif lib is not None and self.tiles is not None:
+        elif kernel == TILES:
             y = self._tiles_gemm(lib, x2, bias)
+        elif kernel == PANELS:
+            y = self._panel_gemm(lib, x2, bias)
         elif self.expanded is not None:
             y = low_precision_linear(x2, self.expanded, bias)
         else:
@@ -201,6 +211,19 @@ class PackedWeight:
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y.reshape(*lead, -1) if len(lead) != 1 else y
+
+    def kernel_for(self, rows: int) -> str | None:
+        """Which native kernel runs an fp32 step of `rows` rows on the CPU (the library loaded): VECTOR
+        (qgemm.cpp) up to max_native_rows(), then TILES where the AMX copy is held, else PANELS on AVX2
+        without a bf16 copy up to PANEL_MAX_ROWS; None: oneDNN on the bf16 copy, or the fp32 expansion
+        and torch's GEMM."""
+        if rows <= self.max_native_rows():
+            return VECTOR
+        if self.tiles is not None:
+            return TILES
+        if self.expanded is None and rows <= PANEL_MAX_ROWS and native.cpu_isa() == native.ISA_LEVELS["avx2"]:
+            return PANELS
+        return None
 
     def copy_rows(self) -> int | None:
         """With a low-precision copy (keep_expanded) on the CPU: the largest step the packed kernels run,
@@ -261,6 +284,13 @@ class PackedWeight:
             m = min(AMX_TILE_CALL_ROWS, rows - r0)
             lib.psq_gemm_amx(x.data_ptr() + r0 * k * 4, m, k, q, scale, offset, n, group, bits, bias_ptr,
                              y.data_ptr() + r0 * n * 4, pre)
+        return y
+
+    def _panel_gemm(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        q, scale, offset, n, group, bits = self._call
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        lib.psq_gemm_panel(x.data_ptr(), x.shape[0], x.shape[1], q, scale, offset, n, group, bits,
+                           None if bias is None else bias.data_ptr(), y.data_ptr())
         return y
 
     def _dequantize_fast(self, lib: ctypes.CDLL | None, scratch: bool = False) -> torch.Tensor:
