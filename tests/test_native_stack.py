@@ -90,6 +90,25 @@ def test_decode_steps_through_the_stack_give_the_layered_floats(tiny_model, tmp_
 
 
 @pytest.mark.slow
+def test_the_default_dtype_takes_the_stack_with_the_same_floats(tiny_model, tmp_path, monkeypatch):
+    """--dtype auto, 12 decodes a step: on AMX the tile kernel on its held bf16 copy (kernel 1) with a bf16
+    cache, on AVX2 fp32 and the vector kernel; the stack's floats are the layers' either way."""
+    from pagedserve import SamplingParams
+    calls = StackCalls(monkeypatch)
+    path, folder = _gguf(tiny_model, tmp_path, "llama")
+    llm = _llm(path, folder, dtype="auto")
+    try:
+        prompts = [[(7 * i + 5 * j) % 600 + 13 for j in range(5 + i)] for i in range(12)]
+        sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
+        _same_with_and_without(llm, prompts, sp, calls)
+        assert 12 in calls.ran, calls.ran
+        tiles = llm.engine.executor.runner.model.layers[0].mlp.down_proj.packed.tiles is not None
+        assert tiles == native.uses_amx()       # the AMX path where this CPU has it
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.slow
 def test_a_batch_beyond_the_vector_kernel_takes_the_panels_in_the_stack(tiny_model, tmp_path, monkeypatch,
                                                                         force_isa):
     """48 decodes a step on AVX2: every product on the panel kernel (PackedWeight.kernel_for), inside the
