@@ -179,11 +179,22 @@ def build(model: Any) -> NativeStack | None:
         if any(pw is None for pw in w) or any(n.gemma or n.weight.dtype != torch.float32 for n in norms):
             return None
         weights.append(w)
-    if not weights or len({(layer.input_layernorm.eps, layer.self_attn.scale) for layer in model.layers}) != 1:
+    hidden = model.config.hidden_size
+    fits = all(_shapes_fit(hidden, layer.self_attn, w) for layer, w in zip(model.layers, weights))
+    if not weights or not fits or len({tuple(pw.shape for pw in w) for w in weights}) != 1 or \
+            len({(layer.input_layernorm.eps, layer.self_attn.scale) for layer in model.layers}) != 1:
         return None
     below = [n.narrow_above for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
              if n.narrow_above is not None]
     return NativeStack(model, weights, min(below) if below else None)
+
+
+def _shapes_fit(hidden: int, attn, w: list[PackedWeight]) -> bool:
+    """The four products' shapes are those decoder_stack.cpp sizes its buffers by (the same in every
+    layer, checked by the caller)."""
+    qd, kvd = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    inter = w[2].shape[0] // 2
+    return [pw.shape for pw in w] == [(qd + 2 * kvd, hidden), (hidden, qd), (2 * inter, hidden), (hidden, inter)]
 
 
 def _packed(linear) -> PackedWeight | None:
