@@ -7,8 +7,8 @@ in registers for steps of up to `GEMM_MAX_ROWS[isa]` rows, where reading fewer b
 steps run on AVX2 the panel kernel up to PANEL_MAX_ROWS, else expand the weight once into fp32 and use the
 BLAS GEMM, or, in `--dtype auto` on bf16 hardware, run on a bf16 copy held once (keep_expanded: oneDNN's
 GEMM on it, or on AMX the tile kernel on its own bf16 copy for every step from AMX_NATIVE_MAX_ROWS);
-`kernel_for` says which. Without the native library the same expansion is done in torch, slower, with the same values. On CUDA a
-Triton GEMM (kernels/triton_qgemm) dequantizes each weight tile in registers.
+`kernel_for` says which. Without the native library the same expansion is done in torch, slower, with the
+same values. On CUDA a Triton GEMM (kernels/triton_qgemm) dequantizes each weight tile in registers.
 """
 from __future__ import annotations
 
@@ -47,8 +47,10 @@ AMX_TILE_CALL_ROWS = 512
 # On AVX2 without a bf16 copy, steps from GEMM_MAX_ROWS up to this many rows run the panel kernel
 # (kernels/qgemm_panel.cpp: each weight expanded once a call into a cached panel, a 16x6 register-blocked
 # micro-kernel); larger ones the fp32 expansion and torch's GEMM. SmolLM2's 120 products on a 2-core Zen3:
-# 79.7 ms against 102.5 (direct) and 104.0 (expand+gemm) at 40 rows, 108.0 against 140.2 at 64, 219.7
-# against 227.1 at 128, 352.5 against 325.1 at 192 (loadtest/results/qgemm_panel_2026-12-07_avx2.txt).
+# 108.0 ms against 140.2 (expand+gemm) and 159.1 (direct) at 64 rows, 219.7 against 227.1 at 128, 352.5
+# against 325.1 at 192 (loadtest/results/qgemm_panel_2026-12-07_avx2.txt). They beat the vector kernel
+# from 16 rows too (60.5 against 77.5 at 32), but steps up to GEMM_MAX_ROWS stay there (bit-identical
+# verification, above).
 PANEL_MAX_ROWS = 128
 FP8_BITS = 9         # q holds float8_e4m3fn bytes (the native kernel's code for them)
 VECTOR, TILES, PANELS = "vector", "tiles", "panels"     # the native kernels of a step (kernel_for)
