@@ -6,8 +6,8 @@
 // 15-50 us of module dispatch, tensor allocation and ctypes marshalling around work that, at one row,
 // takes a few microseconds. This file computes nothing of its own: it calls the same kernels in the same
 // order on the same buffers as models/llama.py's layers do (psq_rms_norm, psq_add_rms_norm, psq_gemm,
-// psq_gemm_amx or psq_gemm_panel, psq_rope, psq_kv_write, psq_paged_attention, psq_silu_mul), so every float equals the
-// layered path's (tested). gpu_worker/models/native_stack.py says which steps and models it takes.
+// psq_gemm_amx or psq_gemm_panel, psq_rope, psq_kv_write, psq_paged_attention, psq_silu_mul), so every
+// float equals the layered path's (tested). gpu_worker/models/native_stack.py says which steps and models it takes.
 #include <stdint.h>
 #include <string.h>
 
@@ -88,22 +88,32 @@ void gemm(const StackStep& s, const StackWeight& w, const float* x, float* y) {
     }
 }
 
-// The per-row widths of the scratch buffers, in order: h, qkv, q (contiguous), attention out, o's
-// product, gate_up, act.
-int64_t row_floats(int hidden, int q_heads, int kv_heads, int head_dim, int inter) {
-    const int64_t qd = (int64_t)q_heads * head_dim;
-    return hidden + (qd + 2LL * kv_heads * head_dim) + qd + qd + hidden + 2LL * inter + inter;
+// Where each of a step's scratch buffers starts, in floats, laid out in one place for the layer and for
+// psq_stack_scratch: the norm's output, the qkv product, q made contiguous, attention's output, o's
+// product, gate_up, SwiGLU's output; `end` is the total.
+struct Layout {
+    int64_t h, qkv, q, attn, delta, gate_up, act, end;
+};
+
+Layout layout(int64_t rows, int64_t hidden, int64_t qd, int64_t kvd, int64_t inter) {
+    Layout o;
+    o.h = 0;
+    o.qkv = o.h + rows * hidden;
+    o.q = o.qkv + rows * (qd + 2 * kvd);
+    o.attn = o.q + rows * qd;
+    o.delta = o.attn + rows * qd;
+    o.gate_up = o.delta + rows * hidden;
+    o.act = o.gate_up + rows * 2 * inter;
+    o.end = o.act + rows * inter;
+    return o;
 }
 
-int layer(const StackStep& s, const StackLayer& l, bool first, float* h) {
+int layer(const StackStep& s, const StackLayer& l, bool first) {
     const int rows = s.rows, hd = s.head_dim;
     const int64_t qd = (int64_t)s.q_heads * hd, kvd = (int64_t)s.kv_heads * hd, width = qd + 2 * kvd;
-    float* qkv = h + (int64_t)rows * s.hidden;
-    float* q = qkv + rows * width;
-    float* attn = q + rows * qd;
-    float* delta = attn + rows * qd;
-    float* gate_up = delta + (int64_t)rows * s.hidden;
-    float* act = gate_up + (int64_t)rows * 2 * s.inter;
+    const Layout o = layout(rows, s.hidden, qd, kvd, s.inter);
+    float *h = s.scratch + o.h, *qkv = s.scratch + o.qkv, *q = s.scratch + o.q, *attn = s.scratch + o.attn;
+    float *delta = s.scratch + o.delta, *gate_up = s.scratch + o.gate_up, *act = s.scratch + o.act;
     if (first) {                       // the first layer: the stream is the embeddings themselves
         memcpy(s.residual, s.x, sizeof(float) * rows * s.hidden);
         psq_rms_norm(s.x, rows, s.hidden, l.input_norm, s.eps, h, 0, s.isa);
@@ -134,14 +144,14 @@ extern "C" {
 
 // The floats of scratch a step of `rows` rows needs.
 int64_t psq_stack_scratch(int rows, int hidden, int q_heads, int kv_heads, int head_dim, int inter) {
-    return rows * row_floats(hidden, q_heads, kv_heads, head_dim, inter);
+    return layout(rows, hidden, (int64_t)q_heads * head_dim, (int64_t)kv_heads * head_dim, inter).end;
 }
 
 // Runs layers[0..n_layers) over the step. Returns 0, or layer index * 4 + the call that refused its
 // shapes (1 rope, 2 KV write, 3 attention); the caller checks them first, so that is a bug.
 int psq_decoder_stack(const StackStep* s, const StackLayer* layers, int n_layers) {
     for (int i = 0; i < n_layers; ++i) {
-        const int rc = layer(*s, layers[i], i == 0, s->scratch);
+        const int rc = layer(*s, layers[i], i == 0);
         if (rc) return i * 4 + rc;
     }
     return 0;

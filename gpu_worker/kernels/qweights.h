@@ -1,6 +1,6 @@
 // The packed weight formats of qgemm.cpp (its header says them) and their expansion into fp32 vectors,
-// shared by the vector kernels (qgemm.cpp, qgemm_panel.cpp) and the AMX one (qgemm_amx.cpp), so both expand a weight
-// to the same value bit for bit.
+// shared by the vector kernels (qgemm.cpp, qgemm_panel.cpp) and the AMX one (qgemm_amx.cpp), so all
+// expand a weight to the same value bit for bit.
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>

@@ -23,7 +23,6 @@ from gpu_worker.layers.linear import Linear
 from gpu_worker.layers.norm import RMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding, Rotation
 from gpu_worker.models import native_stack
-from gpu_worker.models.native_stack import NativeStack
 from gpu_worker.parallel import tp
 
 
@@ -157,7 +156,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Subclasses change the parts through make_layer / make_mlp / rotations / embed, not the loop."""
-    _native_stack: NativeStack | None | bool = False     # False: not built yet (native_stack.build, lazily)
+    _native_stack: native_stack.NativeStack | None | bool = False     # False: not built yet (native_stack.build, lazily)
 
     def __init__(self, c: ModelConfig, dtype: torch.dtype, max_positions: int):
         super().__init__()
@@ -208,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, rot, kv, m, backend, residual)    # the stream is x + residual
         return self.norm(x) if residual is None else self.norm.add_forward(residual, x)[1]
 
-    def native_decoder(self) -> NativeStack | None:
+    def native_decoder(self) -> native_stack.NativeStack | None:
         """The decoder layers as one native call (models/native_stack.py), built at the first step: by then
         the runner has set up what decides it (LoRA, narrowed norms, fp8 rotations)."""
         if self._native_stack is False:
