@@ -22,6 +22,15 @@ HF-equality tests use. Its quality against fp32 is measured by loadtest/quality.
 greedy outputs are not batch-invariant in this mode.
 
 PAGEDSERVE_CPU_BF16=0 turns the detection off, =1 forces it on (tests run the mode on any CPU).
+
+Without bf16 hardware, `--dtype auto` instead rounds the activations of the packed (GGUF, AWQ, GPTQ)
+products of decode-sized steps (the native vector kernel's, up to packed.GEMM_MAX_ROWS rows) to int16,
+per run of 32 values, and multiplies integers (kernels/qgemm_i16.cpp): on AVX2, expanding each weight
+to a float was what bound those products (a single stream's decode step: 16.0 -> 8.7 ms with int8 on a
+2-core Zen3; int8 itself lost too much: the kernel's header says why int16). Everything else stays fp32,
+the KV cache too. Each row is computed alone, so speculative verification reproduces decoding.
+loadtest/quality.py measures it against fp32 ("steps of 8 rows"). PAGEDSERVE_CPU_INT16=0 turns it off,
+=1 forces it on (tests run it under a bf16 CPU's auto too).
 """
 from __future__ import annotations
 
@@ -53,15 +62,23 @@ def bf16_hardware(flags: frozenset[str] | None = None) -> str | None:
     """The CPU feature that makes bf16 matmuls fast here ("amx_bf16", "avx512_bf16"), or None, from
     /proc/cpuinfo's flags (or `flags`); the environment's PAGEDSERVE_CPU_BF16 overrides (0: None,
     1: "forced")."""
-    forced = os.environ.get("PAGEDSERVE_CPU_BF16", "").strip().lower()
-    if forced in ("0", "off", "false", "no"):
-        return None
-    if forced in ("1", "on", "true", "yes"):
-        return "forced"
-    if forced:
-        raise ValueError(f"PAGEDSERVE_CPU_BF16={forced!r}; expected 0 or 1")
+    forced = _forced("PAGEDSERVE_CPU_BF16")
+    if forced is not None:
+        return "forced" if forced else None
     flags = cpu_flags() if flags is None else flags
     return next((f for f in BF16_FLAGS if f in flags), None)
+
+
+def _forced(variable: str) -> bool | None:
+    """An on/off override from the environment, None where unset."""
+    value = os.environ.get(variable, "").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return False
+    if value in ("1", "on", "true", "yes"):
+        return True
+    if value:
+        raise ValueError(f"{variable}={value!r}; expected 0 or 1")
+    return None
 
 
 def matmul_dtype(dtype_name: str, device: torch.device) -> torch.dtype | None:
@@ -77,3 +94,17 @@ def matmul_dtype(dtype_name: str, device: torch.device) -> torch.dtype | None:
              "fp32 throughout)", torch.backends.cpu.get_cpu_capability(), feature)
     return torch.bfloat16
 
+
+
+def int16_activations(dtype_name: str, device: torch.device) -> bool:
+    """Whether packed products of decode-sized steps take int16 activations: `--dtype auto` on a CPU
+    without bf16 hardware (PAGEDSERVE_CPU_INT16 overrides); the kernel needs AVX2 (PackedWeight.kernel_for
+    checks it at each step, so a lower PAGEDSERVE_CPU_ISA cap runs fp32)."""
+    if dtype_name != "auto" or device.type != "cpu":
+        return False
+    forced = _forced("PAGEDSERVE_CPU_INT16")
+    on = bf16_hardware() is None if forced is None else forced
+    if on:
+        log.info("--dtype auto: packed products of up to a few dozen rows round activations to int16 per 32 "
+                 "values; PAGEDSERVE_CPU_INT16=0 or --dtype float32 keeps them fp32")
+    return on

@@ -82,8 +82,9 @@ class ModelRunner:
             log.info("bf16 KV cache: decode and verify attention on AMX-BF16 tiles (queries and weights rounded "
                      "to bf16; PAGEDSERVE_CPU_ISA=avx512 keeps them fp32)")
         t0 = time.perf_counter()
+        self.int16_activations = cpu_precision.int16_activations(config.dtype, self.device)
         self.model = load_model(self.source, self.model_config, self.dtype, self.device, self.max_model_len,
-                                config.quantization, config.load_format, self.matmul_dtype)
+                                config.quantization, config.load_format, self.matmul_dtype, self.int16_activations)
         log.info("loaded %s (%s, %s) in %.1fs", self.source.name, self.model_config.arch, self.dtype,
                  time.perf_counter() - t0)
         self.lora = LoRAManager(self.model, self.model_config.num_layers, config.max_loras, config.max_lora_rank,

@@ -6,8 +6,9 @@ The weights are SmolLM2-135M's 30 layers of projections (qkv 960x576, o 576x576,
 576x1536) with random 4-bit values, 120 distinct matrices (~80 MB packed, ~425 MB as fp32), so neither
 side runs from cache: a decode step's conditions. For each row count it times all 120 products in turn,
 alternated per repeat: torch's fp32 GEMM on resident fp32 weights, the native kernel (`direct`), the
-expansion into fp32 followed by the fp32 GEMM (`expand+gemm`), and on AVX2 the panel kernel
-(qgemm_panel.cpp, `panels`). The crossover of `direct` and the others is where GEMM_MAX_ROWS belongs, that
+expansion into fp32 followed by the fp32 GEMM (`expand+gemm`), on AVX2 the panel kernel
+(qgemm_panel.cpp, `panels`), and where AVX2 runs, the vector kernel with int16 activations (qgemm_i16.cpp,
+`int16`: --dtype auto's decode steps without bf16 hardware). The crossover of `direct` and the others is where GEMM_MAX_ROWS belongs, that
 of `panels` and `expand+gemm` PANEL_MAX_ROWS.
 """
 from __future__ import annotations
@@ -47,6 +48,8 @@ def main() -> None:
             "expand+gemm": lambda i, x: torch.nn.functional.linear(x, packed[i]._dequantize_fast(lib, scratch=True))}
     if native.cpu_isa() == native.ISA_LEVELS["avx2"]:
         ways["panels"] = lambda i, x: packed[i]._panel_gemm(lib, x, None)
+    if native.cpu_isa() >= native.ISA_LEVELS["avx2"]:
+        ways["int16"] = lambda i, x: packed[i]._i16_gemm(lib, x, None)
     print(f"isa level {native.cpu_isa()}, {torch.get_num_threads()} threads; ms for all {len(packed)} products")
     print(f"{'rows':>5} " + " ".join(f"{w:>12}" for w in ways) + f" {'direct x':>9}")
     for rows in args.rows:

@@ -9,7 +9,8 @@ continuation (the fp32 greedy path) is compared: how often the mode's most likel
 reference's, and KL(reference || mode) in nats. Steps are prefill chunks of 64 rows (ENGINE), the
 packed weights' bf16 path under `--dtype auto` on a CPU with bf16 hardware (the AMX tile kernel where it
 runs); "steps of 512 rows" measures the bf16 copy's GEMM of larger chunks. Decode steps of up to 8 rows
-stay on the packed fp32 kernel and are at least this close.
+stay on the packed fp32 kernel there and are at least this close. On a CPU without bf16 hardware,
+"steps of 8 rows" measures what decode steps run: the packed vector kernel with int16 activations.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 
+from gpu_worker.kernels import native
+from gpu_worker.quantization.packed import GEMM_MAX_ROWS
 from loadtest.workload import load_workload
 from pagedserve import LLM, SamplingParams
 
@@ -27,6 +30,7 @@ MODES: dict[str, dict[str, Any]] = {        # row: engine arguments; the first r
     "float32 (reference)": dict(dtype="float32"),
     "auto (the default)": dict(),
     "auto, steps of 512 rows": dict(max_num_batched_tokens=512),
+    "auto, steps of 8 rows": dict(max_num_batched_tokens=8),
     "auto, fp32 KV cache": dict(kv_cache_dtype="float32"),
     "bfloat16 throughout": dict(dtype="bfloat16"),
 }
@@ -103,7 +107,10 @@ def measure(requests: int = 32, new_tokens: int = 64, model: str | None = None,
     rows = compare({name: LogitTap(e) for name, e in engines.items()}, sequences)
     for name, e in engines.items():
         runner = e.engine.executor.runner
-        rows[name].update(matmul_dtype=str(runner.matmul_dtype or runner.dtype).replace("torch.", ""),
+        matmuls = str(runner.matmul_dtype or runner.dtype).replace("torch.", "")
+        if runner.int16_activations:
+            matmuls += f", int16 x up to {GEMM_MAX_ROWS[native.cpu_isa()]} rows"
+        rows[name].update(matmul_dtype=matmuls,
                           kv_cache_dtype=str(runner.kv_dtype).replace("torch.", ""))
         e.engine.shutdown()
     return rows

@@ -37,7 +37,8 @@ PREFILL_ROWS = 16      # steps above this many rows count as prefills
 
 
 class StepTimer:
-    """Wraps ModelRunner.execute and PackedWeight._native_gemm for the life of the object (in-process
+    """Wraps ModelRunner.execute and PackedWeight._kernel_call (the vector kernels, fp32 or int8
+    activations, and the AVX2 panels) for the life of the object (in-process
     engine only), recording wall time by step kind and GEMM time by (rows, layers | lm_head)."""
 
     def __init__(self) -> None:
@@ -46,7 +47,7 @@ class StepTimer:
         self.gemm_calls: dict[tuple[int, str], int] = defaultdict(int)
         self.vocab = -1                 # the lm_head's output features, once the model is known
         self.stack: dict[int, float] = defaultdict(float)       # native stack time by step rows
-        self._execute, self._gemm = model_runner.ModelRunner.execute, packed.PackedWeight._native_gemm
+        self._execute, self._gemm = model_runner.ModelRunner.execute, packed.PackedWeight._kernel_call
         self._stack = NativeStack.run
 
         def execute(runner, sched):
@@ -56,9 +57,9 @@ class StepTimer:
             self.steps["prefill" if rows > PREFILL_ROWS else rows].append(time.perf_counter() - t0)
             return out
 
-        def gemm(weight, lib, x, bias):
+        def gemm(weight, fn, x, bias, *extra):
             t0 = time.perf_counter()
-            y = self._gemm(weight, lib, x, bias)
+            y = self._gemm(weight, fn, x, bias, *extra)
             key = (x.shape[0], "lm_head" if weight.shape[0] == self.vocab else "layers")
             self.gemm[key] += time.perf_counter() - t0
             self.gemm_calls[key] += 1
@@ -71,7 +72,7 @@ class StepTimer:
                 self.stack[x.shape[0]] += time.perf_counter() - t0
             return out
 
-        model_runner.ModelRunner.execute, packed.PackedWeight._native_gemm = execute, gemm
+        model_runner.ModelRunner.execute, packed.PackedWeight._kernel_call = execute, gemm
         NativeStack.run = stack
 
     def clear(self) -> None:
@@ -79,7 +80,7 @@ class StepTimer:
             d.clear()
 
     def restore(self) -> None:
-        model_runner.ModelRunner.execute, packed.PackedWeight._native_gemm = self._execute, self._gemm
+        model_runner.ModelRunner.execute, packed.PackedWeight._kernel_call = self._execute, self._gemm
         NativeStack.run = self._stack
 
     def report(self) -> str:

@@ -8,9 +8,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from gpu_worker.cpu_precision import bf16_hardware
 from gpu_worker.kernels import native
 from gpu_worker.models import native_stack
 from gpu_worker.models.native_stack import NativeStack
+from gpu_worker.quantization.packed import VECTOR_I16
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native library did not build")
 
@@ -92,7 +94,7 @@ def test_decode_steps_through_the_stack_give_the_layered_floats(tiny_model, tmp_
 @pytest.mark.slow
 def test_the_default_dtype_takes_the_stack_with_the_same_floats(tiny_model, tmp_path, monkeypatch):
     """--dtype auto, 12 decodes a step: on AMX the tile kernel on its held bf16 copy (kernel 1) with a bf16
-    cache, on AVX2 fp32 and the vector kernel; the stack's floats are the layers' either way."""
+    cache, on AVX2 the vector kernel with int16 activations; the stack's floats are the layers' either way."""
     from pagedserve import SamplingParams
     calls = StackCalls(monkeypatch)
     path, folder = _gguf(tiny_model, tmp_path, "llama")
@@ -102,8 +104,10 @@ def test_the_default_dtype_takes_the_stack_with_the_same_floats(tiny_model, tmp_
         sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
         _same_with_and_without(llm, prompts, sp, calls)
         assert 12 in calls.ran, calls.ran
-        tiles = llm.engine.executor.runner.model.layers[0].mlp.down_proj.packed.tiles is not None
-        assert tiles == native.uses_amx()       # the AMX path where this CPU has it
+        down = llm.engine.executor.runner.model.layers[0].mlp.down_proj.packed
+        assert (down.tiles is not None) == native.uses_amx()       # the AMX path where this CPU has it
+        if bf16_hardware() is None:
+            assert down.kernel_for(12) == VECTOR_I16
     finally:
         llm.engine.shutdown()
 
@@ -147,6 +151,36 @@ def test_verification_steps_and_qkv_bias_take_the_stack_too(tiny_model, tmp_path
         assert max(calls.ran) > 2, calls.ran       # more rows than sequences: drafts verified in it
         attn = llm.engine.executor.runner.model.layers[0].self_attn
         assert attn.qkv_proj.bias is not None and attn.qkv_proj.packed is not None
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_int16_activations_in_the_stack_and_in_verification(tiny_model, tmp_path, monkeypatch):
+    """--dtype auto's int16 activations (forced, so that a CPU with bf16 hardware runs them too): the
+    stack's floats are the layers', and n-gram verification gives plain decoding's tokens and logprobs."""
+    from pagedserve import SamplingParams
+    if native.cpu_isa() < native.ISA_LEVELS["avx2"]:
+        pytest.skip("this CPU has no avx2")
+    monkeypatch.setenv("PAGEDSERVE_CPU_INT16", "1")
+    monkeypatch.setenv("PAGEDSERVE_CPU_BF16", "0")
+    path, folder = _gguf(tiny_model, tmp_path, "llama")
+    loop = [[17, 23, 29, 31] * 12, [5, 6, 7] * 15 + [8]]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    plain = _llm(path, folder, dtype="auto")
+    try:
+        assert plain.engine.executor.runner.model.layers[0].self_attn.qkv_proj.packed.kernel_for(1) == VECTOR_I16
+        decoded = _outputs(plain, loop, sp)
+    finally:
+        plain.engine.shutdown()
+    calls = StackCalls(monkeypatch)
+    llm = _llm(path, folder, dtype="auto", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                             "prompt_lookup_max": 3})
+    try:
+        assert _outputs(llm, loop, sp) == decoded
+        assert llm.stats.spec_num_draft_tokens > 0     # (SmolLM2 accepts them: test_spec_decode's default model)
+        _same_with_and_without(llm, loop, sp, calls)
+        assert max(calls.ran) > 2, calls.ran       # more rows than sequences: drafts verified in it
     finally:
         llm.engine.shutdown()
 

@@ -178,22 +178,14 @@ void rows(const Args& a, int n0, int n1, int m0, int isa) {
 }
 
 void rows_any(const Args& a, int n0, int n1, int m0, int mt, int isa) {
-    switch (mt) {
-        case 1: rows<1>(a, n0, n1, m0, isa); break;
-        case 2: rows<2>(a, n0, n1, m0, isa); break;
-        case 3: rows<3>(a, n0, n1, m0, isa); break;
-        case 4: rows<4>(a, n0, n1, m0, isa); break;
-        case 5: rows<5>(a, n0, n1, m0, isa); break;
-        case 6: rows<6>(a, n0, n1, m0, isa); break;
-        default: rows<7>(a, n0, n1, m0, isa); break;
-    }
+    with_rows<7>(mt, [&](auto MT) { rows<MT>(a, n0, n1, m0, isa); });
 }
 
 }  // namespace
 
 extern "C" {
 
-int psq_abi_version() { return 14; }
+int psq_abi_version() { return 15; }
 
 // y = x W^T (+ bias). Parallel over output features: each thread streams its own slice of W.
 void psq_gemm(const float* x, int M, int K, const uint8_t* q, const float* scale, const float* offset,

@@ -5,6 +5,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "fp8.h"
 
 namespace {
@@ -20,6 +22,15 @@ struct Args {
 };
 
 inline int groups(const Args& a) { return a.K >> a.gs; }
+
+// f(std::integral_constant<int, mt>) for a run-time tile height mt in 1..MAX (above MAX: MAX), so that a
+// kernel's row count is a compile-time constant and its accumulators stay in registers.
+template <int MAX, class F>
+inline void with_rows(int mt, F&& f) {
+    if constexpr (MAX > 1)
+        if (mt < MAX) return with_rows<MAX - 1>(mt, f);
+    f(std::integral_constant<int, MAX>{});
+}
 
 // ---- AVX-512 expansion -------------------------------------------------------------------
 // 16 e4m3 bytes as floats: each byte's bits moved into fp16 position, converted, times 2^8 (exact).

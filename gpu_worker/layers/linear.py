@@ -56,6 +56,11 @@ class LinearMethod:
         if w.dtype != dtype:
             layer.weight = nn.Parameter(w.detach().to(dtype), requires_grad=False)
 
+    def use_int16_activations(self, layer: "Linear") -> None:
+        """Let this layer's decode-sized products round their input to int16 (gpu_worker/cpu_precision.py:
+        --dtype auto on a CPU without bf16 hardware). Only packed weights have a kernel for it: plain
+        ones stay as they are."""
+
     def bf16_input_rows(self, layer: "Linear") -> int | None:
         """Steps of more rows than this may give this layer a bf16 input, which its product then takes as
         it is and gives back in bf16 (fp32 with a bias), the values of converting inside; None (here):

@@ -12,9 +12,8 @@ rotation; an MLP with SwiGLU), every projection packed (GGUF, AWQ, GPTQ without 
 plain packed method (no LoRA, no fp8 method), one tensor-parallel rank, a plain rope table (no LongRoPE).
 Which steps: fp32 activations on the CPU, an fp32 or bf16 cache, every sequence run by the attention
 kernel (decodes, speculative verification: no prefill chunk), one KV group, and a row count whose every
-product one native kernel runs (PackedWeight.kernel_for: the vector kernel, the AMX tiles or the AVX2
-panels). Anything else
-takes the layered path. PAGEDSERVE_NATIVE_STACK=0 turns it off (A/B runs, loadtest/step_profile.py).
+product one native kernel runs (PackedWeight.kernel_for: the vector kernel, with int8 activations or
+not, the AMX tiles or the AVX2 panels). Anything else takes the layered path. PAGEDSERVE_NATIVE_STACK=0 turns it off (A/B runs, loadtest/step_profile.py).
 """
 from __future__ import annotations
 
@@ -28,12 +27,12 @@ from gpu_worker.attention.cpu_attention import KV_DTYPE_CODES
 from gpu_worker.kernels import native
 from gpu_worker.layers.activation import native_swiglu
 from gpu_worker.parallel import tp
-from gpu_worker.quantization.packed import AMX_TILE_CALL_ROWS, PANELS, TILES, VECTOR, PackedWeight
+from gpu_worker.quantization.packed import AMX_TILE_CALL_ROWS, PANELS, TILES, VECTOR, VECTOR_I16, PackedWeight
 from gpu_worker.quantization.packed_linear import PackedLinearMethod
 
 p, i32, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 CACHE_CODES = (KV_DTYPE_CODES[torch.float32], KV_DTYPE_CODES[torch.bfloat16])   # what psq_kv_write takes
-KERNELS = {VECTOR: 0, TILES: 1, PANELS: 2}          # StackStep.kernel
+KERNELS = {VECTOR: 0, TILES: 1, PANELS: 2, VECTOR_I16: 3}     # StackStep.kernel
 
 
 class StackWeight(ctypes.Structure):

@@ -54,6 +54,7 @@ AMX_TILE_CALL_ROWS = 512
 PANEL_MAX_ROWS = 128
 FP8_BITS = 9         # q holds float8_e4m3fn bytes (the native kernel's code for them)
 VECTOR, TILES, PANELS = "vector", "tiles", "panels"     # the native kernels of a step (kernel_for)
+VECTOR_I16 = "vector_i16"   # the vector kernel's steps with int16 activations (kernels/qgemm_i16.cpp)
 
 
 @dataclass
@@ -114,6 +115,7 @@ class PackedWeight:
     expanded: torch.Tensor | None = None    # CPU: bf16, prepacked, for steps beyond the native kernel's rows
     native_max_rows: int | None = None      # the native kernel's last step size, if not GEMM_MAX_ROWS[isa]
     tiles: torch.Tensor | None = None       # AMX: bf16 bits in the tile kernel's layout, for steps beyond it
+    int16_activations: bool = False         # the vector kernel's steps round x to int16 (cpu_precision.py)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -202,6 +204,8 @@ class PackedWeight:
         kernel = self.kernel_for(rows) if lib is not None else None
         if kernel == VECTOR:
             y = self._native_gemm(lib, x2, bias)
+        elif kernel == VECTOR_I16:
+            y = self._i16_gemm(lib, x2, bias)
         elif kernel == TILES:
             y = self._tiles_gemm(lib, x2, bias)
         elif kernel == PANELS:
@@ -216,11 +220,12 @@ class PackedWeight:
 
     def kernel_for(self, rows: int) -> str | None:
         """Which native kernel runs an fp32 step of `rows` rows on the CPU (the library loaded): VECTOR
-        (qgemm.cpp) up to max_native_rows(), then TILES where the AMX copy is held, else PANELS on AVX2
-        without a bf16 copy up to PANEL_MAX_ROWS; None: oneDNN on the bf16 copy, or the fp32 expansion
-        and torch's GEMM."""
+        (qgemm.cpp) up to max_native_rows(), or VECTOR_I16 there with int16 activations on AVX2, then TILES
+        where the AMX copy is held, else PANELS on AVX2 without a bf16 copy up to PANEL_MAX_ROWS; None:
+        oneDNN on the bf16 copy, or the fp32 expansion and torch's GEMM."""
         if rows <= self.max_native_rows():
-            return VECTOR
+            i16 = self.int16_activations and self.bits in (4, 8) and native.cpu_isa() >= native.ISA_LEVELS["avx2"]
+            return VECTOR_I16 if i16 else VECTOR
         if self.tiles is not None:
             return TILES
         if self.expanded is None and rows <= PANEL_MAX_ROWS and native.cpu_isa() == native.ISA_LEVELS["avx2"]:
@@ -267,12 +272,24 @@ class PackedWeight:
             raise ValueError(f"the AMX tiles cannot take K = {k}")
         return out
 
-    def _native_gemm(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _kernel_call(self, fn, x: torch.Tensor, bias: torch.Tensor | None, *extra) -> torch.Tensor:
+        """y = x W^T (+ bias) by one of the native kernels that share psq_gemm's arguments."""
         q, scale, offset, n, group, bits = self._call
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        lib.psq_gemm(x.data_ptr(), x.shape[0], x.shape[1], q, scale, offset, n, group, bits,
-                     None if bias is None else bias.data_ptr(), y.data_ptr(), native.cpu_isa())
+        fn(x.data_ptr(), x.shape[0], x.shape[1], q, scale, offset, n, group, bits,
+           None if bias is None else bias.data_ptr(), y.data_ptr(), *extra)
         return y
+
+    def _native_gemm(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._kernel_call(lib.psq_gemm, x, bias, native.cpu_isa())
+
+    def _i16_gemm(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T with x rounded to int16 per run of 32 values (kernels/qgemm_i16.cpp; kernel_for checked
+        the format and the CPU)."""
+        return self._kernel_call(lib.psq_gemm_i16, x, bias)
+
+    def _panel_gemm(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._kernel_call(lib.psq_gemm_panel, x, bias)
 
     def _tiles_gemm(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W^T on AMX tiles: x and each weight rounded to bf16 as the copy holds them, sums in fp32;
@@ -286,13 +303,6 @@ class PackedWeight:
             m = min(AMX_TILE_CALL_ROWS, rows - r0)
             lib.psq_gemm_amx(x.data_ptr() + r0 * k * 4, m, k, q, scale, offset, n, group, bits, bias_ptr,
                              y.data_ptr() + r0 * n * 4, pre)
-        return y
-
-    def _panel_gemm(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        q, scale, offset, n, group, bits = self._call
-        y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        lib.psq_gemm_panel(x.data_ptr(), x.shape[0], x.shape[1], q, scale, offset, n, group, bits,
-                           None if bias is None else bias.data_ptr(), y.data_ptr())
         return y
 
     def _dequantize_fast(self, lib: ctypes.CDLL | None, scratch: bool = False) -> torch.Tensor:

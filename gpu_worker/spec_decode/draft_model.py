@@ -26,6 +26,7 @@ from common.config import EngineConfig
 from common.model_source import ModelSource
 from common.speculative import SpeculativeConfig
 from gpu_worker.attention import allocate_kv_cache, get_backend, kv_block_bytes, resolve_kv_cache_dtype
+from gpu_worker.cpu_precision import int16_activations
 from gpu_worker.sampler import build_sampling_batch, draw
 from gpu_worker.spec_decode.proposer import CachePair, Drafts, Proposer
 from gpu_worker.spec_decode.rejection import accepted_drafts
@@ -46,8 +47,9 @@ class DraftModelProposer(Proposer):
         source = ModelSource.resolve(spec.model)
         self.model_config = source.model_config()
         spec.check_vocab(target_vocab, self.model_config.vocab_size)
+        # int16 activations as the target's (a model drafting for itself then drafts its own tokens)
         self.model = load_model(source, self.model_config, dtype, device, max_model_len, engine.quantization,
-                                engine.load_format)
+                                engine.load_format, int16_activations=int16_activations(engine.dtype, device))
         self.backend = get_backend(engine.attention_backend, device)
         self.device, self.kv_dtype = device, resolve_kv_cache_dtype(engine.kv_cache_dtype, dtype)
         self.max_model_len, self.block_size = max_model_len, block_size
