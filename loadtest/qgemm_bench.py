@@ -8,8 +8,8 @@ side runs from cache: a decode step's conditions. For each row count it times al
 alternated per repeat: torch's fp32 GEMM on resident fp32 weights, the native kernel (`direct`), the
 expansion into fp32 followed by the fp32 GEMM (`expand+gemm`), on AVX2 the panel kernel
 (qgemm_panel.cpp, `panels`), and where AVX2 runs, the vector kernel with int16 activations (qgemm_i16.cpp,
-`int16`: --dtype auto's decode steps without bf16 hardware). The crossover of `direct` and the others is where GEMM_MAX_ROWS belongs, that
-of `panels` and `expand+gemm` PANEL_MAX_ROWS.
+`int16`: --dtype auto's decode steps without bf16 hardware). The crossover of `direct` and the others is
+where GEMM_MAX_ROWS belongs, that of `panels` and `expand+gemm` PANEL_MAX_ROWS.
 """
 from __future__ import annotations
 

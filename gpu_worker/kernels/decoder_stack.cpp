@@ -7,7 +7,8 @@
 // takes a few microseconds. This file computes nothing of its own: it calls the same kernels in the same
 // order on the same buffers as models/llama.py's layers do (psq_rms_norm, psq_add_rms_norm, psq_gemm,
 // psq_gemm_amx, psq_gemm_panel or psq_gemm_i16, psq_rope, psq_kv_write, psq_paged_attention, psq_silu_mul),
-// so every float equals the layered path's (tested). gpu_worker/models/native_stack.py says which steps and models it takes.
+// so every float equals the layered path's (tested). gpu_worker/models/native_stack.py says which steps
+// and models it takes.
 #include <stdint.h>
 #include <string.h>
 
@@ -19,7 +20,7 @@ int psq_gemm_amx(const float* x, int M, int K, const uint8_t* q, const float* sc
 void psq_gemm_panel(const float* x, int M, int K, const uint8_t* q, const float* scale, const float* offset, int N,
                     int G, int bits, const float* bias, float* y);
 int psq_gemm_i16(const float* x, int M, int K, const uint8_t* q, const float* scale, const float* offset, int N,
-                int G, int bits, const float* bias, float* y);
+                 int G, int bits, const float* bias, float* y);
 void psq_rms_norm(const float* x, int rows, int n, const float* w, float eps, void* y, int y_bf16, int isa);
 void psq_add_rms_norm(const float* x, const void* d, int d_bf16, int rows, int n, const float* w, float eps,
                       float* xo, void* y, int y_bf16, int isa);
@@ -63,7 +64,8 @@ struct StackStep {
     const int32_t* lens;        // [seqs]
     const int32_t* q_start;     // [seqs + 1]
     int32_t seqs, max_blocks, block_size, kv_dtype;
-    int32_t kernel;             // every product's: 0 psq_gemm, 1 psq_gemm_amx (tiles), 2 psq_gemm_panel, 3 psq_gemm_i16
+    int32_t kernel;             // every product's: 0 psq_gemm, 1 psq_gemm_amx (tiles), 2 psq_gemm_panel,
+                                // 3 psq_gemm_i16
     int32_t tile_call_rows;     // the tiles' rows per call (packed.py's AMX_TILE_CALL_ROWS)
     int32_t isa, attention_isa;
     const float* x;             // [rows][hidden] the embeddings

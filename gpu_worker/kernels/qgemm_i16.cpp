@@ -110,8 +110,8 @@ __attribute__((target("avx2,fma"))) inline float dot(const float* a, const float
 
 // One run of 32 weights (w) into the MT rows' accumulators acc[m][P].
 template <bool G16, int MT, int P>
-__attribute__((target("avx2,fma"))) inline void run(const __m256i w[2], __m256 step, const Quantized& x, int K, int runs,
-                                                    int m0, int r, __m256 (&acc)[MT][2]) {
+__attribute__((target("avx2,fma"))) inline void run(const __m256i w[2], __m256 step, const Quantized& x, int K,
+                                                    int runs, int m0, int r, __m256 (&acc)[MT][2]) {
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
         const int64_t row = m0 + m;
@@ -169,7 +169,7 @@ extern "C" {
 // y = x W^T (+ bias) with x rounded to int16 per run of 32, for an AVX2 CPU (the caller checks). Returns
 // 1 without computing for a format it does not take (fp8 weights, groups under 16), else 0.
 int psq_gemm_i16(const float* x, int M, int K, const uint8_t* q, const float* scale, const float* offset, int N,
-                int G, int bits, const float* bias, float* y) {
+                 int G, int bits, const float* bias, float* y) {
     if ((bits != 4 && bits != 8) || G < 16) return 1;
     if (M <= 0 || N <= 0) return 0;
     const Args a{x, M, K, q, scale, offset, N, G, bits, bias, y, __builtin_ctz(G)};

@@ -12,8 +12,9 @@ rotation; an MLP with SwiGLU), every projection packed (GGUF, AWQ, GPTQ without 
 plain packed method (no LoRA, no fp8 method), one tensor-parallel rank, a plain rope table (no LongRoPE).
 Which steps: fp32 activations on the CPU, an fp32 or bf16 cache, every sequence run by the attention
 kernel (decodes, speculative verification: no prefill chunk), one KV group, and a row count whose every
-product one native kernel runs (PackedWeight.kernel_for: the vector kernel, with int8 activations or
-not, the AMX tiles or the AVX2 panels). Anything else takes the layered path. PAGEDSERVE_NATIVE_STACK=0 turns it off (A/B runs, loadtest/step_profile.py).
+product one native kernel runs (PackedWeight.kernel_for: the vector kernel, with int16 activations or
+not, the AMX tiles or the AVX2 panels). Anything else takes the layered path. PAGEDSERVE_NATIVE_STACK=0
+turns it off (A/B runs, loadtest/step_profile.py).
 """
 from __future__ import annotations
 
