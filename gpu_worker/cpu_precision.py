@@ -26,9 +26,9 @@ PAGEDSERVE_CPU_BF16=0 turns the detection off, =1 forces it on (tests run the mo
 Without bf16 hardware, `--dtype auto` instead rounds the activations of the packed (GGUF, AWQ, GPTQ)
 products of decode-sized steps (the native vector kernel's, up to packed.GEMM_MAX_ROWS rows) to int16,
 per run of 32 values, and multiplies integers (kernels/qgemm_i16.cpp): on AVX2, expanding each weight
-to a float was what bound those products (a single stream's decode step: 16.0 -> 8.7 ms with int8 on a
-2-core Zen3; int8 itself lost too much: the kernel's header says why int16). Everything else stays fp32,
-the KV cache too. Each row is computed alone, so speculative verification reproduces decoding.
+to a float was what bound those products (a single stream's decode step: 14.75 -> 9.03 ms on a 2-core
+Zen3; the kernel's header says why int16 and not llama.cpp's int8). Everything else stays fp32, the KV
+cache too. Each row is computed alone, so speculative verification reproduces decoding.
 loadtest/quality.py measures it against fp32 ("steps of 8 rows"). PAGEDSERVE_CPU_INT16=0 turns it off,
 =1 forces it on (tests run it under a bf16 CPU's auto too).
 """
@@ -93,7 +93,6 @@ def matmul_dtype(dtype_name: str, device: torch.device) -> torch.dtype | None:
     log.info("cpu %s with %s: --dtype auto runs the matmuls in bf16, activations in fp32 (--dtype float32 for "
              "fp32 throughout)", torch.backends.cpu.get_cpu_capability(), feature)
     return torch.bfloat16
-
 
 
 def int16_activations(dtype_name: str, device: torch.device) -> bool:

@@ -112,13 +112,11 @@ def load_model(source: ModelSource, model_config: ModelConfig, dtype: torch.dtyp
         model = build_model(model_config, dtype, max_positions)
         set_linear_method(model, method)
         load_weights(model, source, load_format, keep_quantized=method == "gguf", fmt=fmt)
-        if matmul_dtype is not None and matmul_dtype != dtype:
-            for m in model.modules():
-                if isinstance(m, Linear):
+        for m in model.modules():
+            if isinstance(m, Linear):
+                if matmul_dtype is not None and matmul_dtype != dtype:
                     m.method.use_matmul_dtype(m, matmul_dtype)
-        if int16_activations:
-            for m in model.modules():
-                if isinstance(m, Linear):
+                if int16_activations:
                     m.method.use_int16_activations(m)
     log.info("model weights resident: %.1f MiB (%s)", weight_bytes(model) / (1 << 20), method)
     return model.eval()
