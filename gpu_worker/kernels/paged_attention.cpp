@@ -4,7 +4,7 @@
 // Why a kernel of our own: in torch each such sequence gathers its blocks into a contiguous copy and
 // calls SDPA with a mask, per layer; at a handful of sequences those fixed costs outweigh the arithmetic.
 // Here each sequence reads its keys through the block table in place, a chunk of 256 at a time (fp32
-// and bf16 entries where they are, fp16 / fp8 converted as they come), and the query rows of each kv head
+// and, with AVX2, bf16 entries where they are; fp16 / fp8 converted as they come), and the query rows of each kv head
 // (its tokens times the query heads sharing it) read every key and value once for a group of rows.
 //
 // Layouts: q and out are fp32 [rows][Hq][D]; sequence b owns rows q_start[b] .. q_start[b + 1] - 1, its
@@ -188,10 +188,21 @@ template <int W> struct Vec;
 template <> struct Vec<8> { typedef v8 F; typedef v8u Fu; typedef h8u Hu; typedef u8 U; };
 template <> struct Vec<16> { typedef v16 F; typedef v16u Fu; typedef h16u Hu; typedef u16 U; };
 
+struct Bytes16 { char b[16]; };
+
 // W entries of a cache row from entry i: fp32 rows (KT 0, also rows converted into a buffer) or bf16 (KT 1).
+// Eight bf16 are widened by one vpmovzxwd from memory and a shift: GCC 12 lowers the vector conversion
+// into two 128-bit halves widened and joined (five instructions), and a bf16 cache's decodes ran 1.12-1.25x
+// slower so (Zen3). The instruction needs AVX2: bf16 rows are read in place only by the AVX2 and AVX-512
+// items (pick_kt; portable code converts them into a buffer first).
 template <int W, int KT>
 __attribute__((always_inline)) inline typename Vec<W>::F ld(const void* row, int i) {
     if (KT == 0) return *(const typename Vec<W>::Fu*)((const float*)row + i);
+    if constexpr (W == 8) {
+        typename Vec<8>::U u;
+        asm("vpmovzxwd %1, %0" : "=x"(u) : "m"(*(const Bytes16*)((const uint16_t*)row + i)));
+        return (typename Vec<8>::F)(u << 16);
+    }
     const typename Vec<W>::U u = __builtin_convertvector(*(const typename Vec<W>::Hu*)((const uint16_t*)row + i),
                                                          typename Vec<W>::U);
     return (typename Vec<W>::F)(u << 16);
@@ -248,22 +259,24 @@ __attribute__((always_inline)) inline void dots(const float* const* q, const voi
     }
 }
 
-// acc[r][0:D] = acc[r] * corr[r] + sum_t p[r][t] * v[t][0:D] for RB rows and t in [lo, hi): each value
-// row is read once for all RB rows; the RB output rows stay in registers. p is 0 where a row sees no key.
+// acc[r][col:col + W * NV] = acc[r] * corr[r] + sum_t p[r][t] * v[t][same] for RB rows and t in [lo, hi):
+// each value row's slab is read once for all RB rows, the RB x NV outputs stay in registers. p is 0 where
+// a row sees no key.
 template <int W, int NV, int KT, int RB>
 __attribute__((always_inline)) inline void accumulate(float* const* acc, const float* corr, const float* const* p,
-                                                      const void* const* v, int lo, int hi) {
+                                                      const void* const* v, int lo, int hi, int col) {
     typedef typename Vec<W>::F F;
     F o[RB][NV];
     for (int r = 0; r < RB; ++r)
-        for (int c = 0; c < NV; ++c) o[r][c] = ldq<W>(acc[r] + W * c) * corr[r];
+        for (int c = 0; c < NV; ++c)
+            o[r][c] = ldq<W>(acc[r] + col + W * c) * corr[r];
     for (int t = lo; t < hi; ++t)
         for (int c = 0; c < NV; ++c) {
-            const F x = ld<W, KT>(v[t], W * c);
+            const F x = ld<W, KT>(v[t], col + W * c);
             for (int r = 0; r < RB; ++r) o[r][c] += p[r][t] * x;
         }
     for (int r = 0; r < RB; ++r)
-        for (int c = 0; c < NV; ++c) stq<W>(acc[r] + W * c, o[r][c]);
+        for (int c = 0; c < NV; ++c) stq<W>(acc[r] + col + W * c, o[r][c]);
 }
 
 // Any D (NV == 0): one row at a time, scalar tails; D % 4 == 0 is not assumed.
@@ -293,11 +306,16 @@ inline void accumulate_any(float* acc, float corr, const float* p, const void* c
         for (int i = 0; i < D; ++i) acc[i] += p[t] * entry<KT>(v[t], i);
 }
 
-// Registers: the dot products keep RB x 4 sums, the accumulation RB x NV outputs; RB so they fit the ISA's
-// 32 (AVX-512) or 16 registers, at most 4 rows.
-template <int W, int NV> constexpr int dot_rows() { return W == 16 ? 4 : 2; }
+// Registers: the dot products keep RB x 4 sums, the accumulation RB x NC outputs over a slab of NC
+// vectors of the D columns; so they fit the ISA's 32 (AVX-512) or 16 registers, at most 4 rows. AVX2
+// takes D 64 in two slabs of 4 vectors, 3 rows at a time, so that a decode's 3 query heads per kv head
+// share each value load and bf16 widening: one row over all 8 vectors at a time, and dot products 2 rows
+// at a time, made a batch of 64 decodes over 553 keys 1.31x slower on a bf16 cache, 1.01x on fp32
+// (Zen3, loadtest/results/attention_avx2_2026-12-07.txt: with the widening below, 1.35-1.57x on bf16).
+template <int W, int NV> constexpr int dot_rows() { return W == 16 ? 4 : 3; }
+template <int W, int NV> constexpr int acc_cols() { return W == 16 ? NV : std::min(NV, 4); }
 template <int W, int NV> constexpr int acc_rows() {
-    return NV == 0 ? 1 : std::max(1, std::min(4, ((W == 16 ? 32 : 16) - 4) / NV));
+    return NV == 0 ? 1 : std::max(1, std::min(4, ((W == 16 ? 32 : 16) - 4) / acc_cols<W, NV>()));
 }
 
 // dots / accumulate over rows [0, R) in groups of RB, the last group smaller. (Templates, not a lambda: a
@@ -312,16 +330,25 @@ __attribute__((always_inline)) inline void dots_rows(int R, const float* const* 
     if constexpr (RB > 2) if (rest == 2) return dots<W, NV, KT, 2>(q + r0, k, lo, hi, sc + r0, pf);
     if constexpr (RB > 1) if (rest == 1) return dots<W, NV, KT, 1>(q + r0, k, lo, hi, sc + r0, pf);
 }
+template <int W, int NC, int KT, int RB>
+__attribute__((always_inline)) inline void accumulate_group(int R, float* const* acc, const float* corr,
+                                                            const float* const* p, const void* const* v, int lo,
+                                                            int hi, int col) {
+    int r0 = 0;
+    for (; r0 + RB <= R; r0 += RB) accumulate<W, NC, KT, RB>(acc + r0, corr + r0, p + r0, v, lo, hi, col);
+    const float* c = corr + r0;
+    const int rest = R - r0;
+    if constexpr (RB > 3) if (rest == 3) return accumulate<W, NC, KT, 3>(acc + r0, c, p + r0, v, lo, hi, col);
+    if constexpr (RB > 2) if (rest == 2) return accumulate<W, NC, KT, 2>(acc + r0, c, p + r0, v, lo, hi, col);
+    if constexpr (RB > 1) if (rest == 1) return accumulate<W, NC, KT, 1>(acc + r0, c, p + r0, v, lo, hi, col);
+}
+// The D columns in slabs of acc_cols vectors, each slab's rows in groups (see acc_rows).
 template <int W, int NV, int KT, int RB>
 __attribute__((always_inline)) inline void accumulate_rows(int R, float* const* acc, const float* corr,
                                                            const float* const* p, const void* const* v, int lo,
                                                            int hi) {
-    int r0 = 0;
-    for (; r0 + RB <= R; r0 += RB) accumulate<W, NV, KT, RB>(acc + r0, corr + r0, p + r0, v, lo, hi);
-    const int rest = R - r0;
-    if constexpr (RB > 3) if (rest == 3) return accumulate<W, NV, KT, 3>(acc + r0, corr + r0, p + r0, v, lo, hi);
-    if constexpr (RB > 2) if (rest == 2) return accumulate<W, NV, KT, 2>(acc + r0, corr + r0, p + r0, v, lo, hi);
-    if constexpr (RB > 1) if (rest == 1) return accumulate<W, NV, KT, 1>(acc + r0, corr + r0, p + r0, v, lo, hi);
+    constexpr int NC = acc_cols<W, NV>();
+    for (int col = 0; col < W * NV; col += W * NC) accumulate_group<W, NC, KT, RB>(R, acc, corr, p, v, lo, hi, col);
 }
 
 
@@ -610,7 +637,7 @@ void item_portable(const Args& a, int b, int h0, int nh, int lo, int hi, Scratch
 // the generic loops. NV counts 8-float vectors here; AVX-512 takes half as many of 16.
 template <int KT>
 Item pick_kt(int isa, int D) {
-#define PSQ_PICK(NV) (isa >= 2 ? item_avx512<(NV) / 2, KT> : isa == 1 ? item_avx2<NV, KT> : item_portable<NV, KT>)
+#define PSQ_PICK(NV) (isa >= 2 ? item_avx512<(NV) / 2, KT> : isa == 1 ? item_avx2<NV, KT> : item_portable<NV, 0>)
     switch (D) {
         case 64: return PSQ_PICK(8);
         case 128: return PSQ_PICK(16);
@@ -622,9 +649,12 @@ Item pick_kt(int isa, int D) {
 }
 // isa 3: AVX-512 with AMX-BF16, whose tiles take bf16 caches of head sizes in 32s (the others run AVX-512).
 bool takes_amx(int isa, int D, int kv_dtype) { return isa >= 3 && kv_dtype == 1 && (D == 32 || D == 64 || D == 128); }
+// Whether rows are converted into fp32 buffers as they are gathered: fp16 and fp8 caches, and bf16 ones in
+// portable code (ld's widening needs AVX2); fp32 and other bf16 rows are read in place.
+bool converts(int isa, int kv_dtype) { return kv_dtype > 1 || (kv_dtype == 1 && isa == 0); }
 Item pick(int isa, int D, int kv_dtype) {
     if (takes_amx(isa, D, kv_dtype)) return D == 32 ? item_amx<2> : D == 64 ? item_amx<4> : item_amx<8>;
-    return kv_dtype == 1 ? pick_kt<1>(isa, D) : pick_kt<0>(isa, D);
+    return kv_dtype == 1 && !converts(isa, kv_dtype) ? pick_kt<1>(isa, D) : pick_kt<0>(isa, D);
 }
 
 // A chunk's running sums, kept for the merge: [rows] maxima, [rows] sums, [rows][D] outputs.
@@ -672,7 +702,7 @@ inline int chunk_hi(const Args& a, int b, int c) { return std::min((c + 1) * CHU
 // entry, which streams from memory far better than one head's slice of it; other caches one pair each);
 // with fewer pairs, one (pair, chunk) each, so a single stream's 2-8 kv heads still use every core. The
 // chunks and their merge are the same either way.
-void attend_all(const Args& a, Item item, bool amx) {
+void attend_all(const Args& a, Item item, bool amx, bool convert) {
     int most = 1;
     int64_t work = 0;
     std::vector<int> chunk0(a.B), chunks(a.B);
@@ -689,7 +719,7 @@ void attend_all(const Args& a, Item item, bool amx) {
     work *= (int64_t)a.Hq * a.D;
     const bool parallel = work > (1 << 15);
     const bool per_pair = pairs >= (parallel ? 4 * omp_get_max_threads() : 1);
-    const int nh = per_pair && a.kv_dtype <= 1 ? a.Hkv : 1, groups = a.Hkv / nh;   // kv heads per item
+    const int nh = per_pair && !convert ? a.Hkv : 1, groups = a.Hkv / nh;   // kv heads per item
     const int R = most * G * nh;
     Parts shared;                                        // per (pair, chunk), when chunks are items
     if (!per_pair) shared.resize(start[a.B] * a.Hkv, R, a.D);
@@ -704,7 +734,7 @@ void attend_all(const Args& a, Item item, bool amx) {
     };
 #pragma omp parallel if (parallel)
     {
-        Scratch s(R, a.D, nh, a.kv_dtype > 1, amx);
+        Scratch s(R, a.D, nh, convert, amx);
         TileConfig found{};
         if (amx) tiles_save(&found);
         if (per_pair) {
@@ -776,7 +806,7 @@ int psq_paged_attention(const float* q, const void* k_cache, const void* v_cache
     if (B <= 0) return 0;
     const Args a{q, k_cache, v_cache, kv_dtype, tables, max_blocks, seq_lens, q_start, B, Hq, Hkv, D, block_size,
                  scale, out, window, softcap, sink};
-    attend_all(a, pick(isa, D, kv_dtype), takes_amx(isa, D, kv_dtype));
+    attend_all(a, pick(isa, D, kv_dtype), takes_amx(isa, D, kv_dtype), converts(isa, kv_dtype));
     return 0;
 }
 
