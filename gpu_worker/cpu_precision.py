@@ -27,8 +27,9 @@ Without bf16 hardware, `--dtype auto` instead rounds the activations of the pack
 products of decode-sized steps (the native vector kernel's, up to packed.GEMM_MAX_ROWS rows) to int16,
 per run of 32 values, and multiplies integers (kernels/qgemm_i16.cpp): on AVX2, expanding each weight
 to a float was what bound those products (a single stream's decode step: 14.75 -> 9.03 ms on a 2-core
-Zen3; the kernel's header says why int16 and not llama.cpp's int8). Everything else stays fp32, the KV
-cache too. Each row is computed alone, so speculative verification reproduces decoding.
+Zen3; the kernel's header says why int16 and not llama.cpp's int8). Everything else stays fp32 but the
+KV cache, which is bf16 under `--dtype auto` on any CPU (kv_cache_dtype). Each row is computed alone, so
+speculative verification reproduces decoding.
 loadtest/quality.py measures it against fp32 ("steps of 8 rows"). PAGEDSERVE_CPU_INT16=0 turns it off,
 =1 forces it on (tests run it under a bf16 CPU's auto too).
 """
@@ -93,6 +94,15 @@ def matmul_dtype(dtype_name: str, device: torch.device) -> torch.dtype | None:
     log.info("cpu %s with %s: --dtype auto runs the matmuls in bf16, activations in fp32 (--dtype float32 for "
              "fp32 throughout)", torch.backends.cpu.get_cpu_capability(), feature)
     return torch.bfloat16
+
+
+def kv_cache_dtype(dtype_name: str, device: torch.device) -> torch.dtype | None:
+    """What `--kv-cache-dtype auto` means under `--dtype auto` on the CPU: bf16 whatever the matmuls run
+    in, else None (the model's dtype). A decode batch's attention streams every cached key and value once a
+    layer; bf16 halves those bytes, and on AVX2 the kernel widens them in registers (64 decodes over 553
+    keys on a Zen3: 2.9-3.3 ms a layer call on fp32, 1.8-2.1 ms on bf16). The cache holds twice the
+    tokens too. `--kv-cache-dtype float32` keeps fp32; loadtest/quality.py measures both."""
+    return torch.bfloat16 if dtype_name == "auto" and device.type == "cpu" else None
 
 
 def int16_activations(dtype_name: str, device: torch.device) -> bool:

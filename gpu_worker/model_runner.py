@@ -76,8 +76,9 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or self.model_config.max_context, self.model_config.max_context)
         torch.manual_seed(config.seed)
         self.matmul_dtype = cpu_precision.matmul_dtype(config.dtype, self.device)
-        # auto: the model's dtype, or bf16 with bf16 matmuls (half the bytes each attention reads)
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.matmul_dtype or self.dtype)
+        # auto: the model's dtype, or bf16 under --dtype auto on the CPU (half the bytes each attention reads)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, cpu_precision.kv_cache_dtype(
+            config.dtype, self.device) or self.matmul_dtype or self.dtype)
         if self.device.type == "cpu" and self.kv_dtype == torch.bfloat16 and native.attention_isa() == native.AMX:
             log.info("bf16 KV cache: decode and verify attention on AMX-BF16 tiles (queries and weights rounded "
                      "to bf16; PAGEDSERVE_CPU_ISA=avx512 keeps them fp32)")

@@ -47,6 +47,35 @@ def test_only_auto_on_the_cpu_gets_bf16_matmuls(monkeypatch):
     assert cpu_precision.matmul_dtype("auto", CPU) is None
 
 
+@pytest.mark.unit
+def test_auto_on_the_cpu_gets_a_bf16_kv_cache_with_or_without_bf16_hardware(monkeypatch):
+    for forced in ("0", "1"):
+        monkeypatch.setenv("PAGEDSERVE_CPU_BF16", forced)
+        assert cpu_precision.kv_cache_dtype("auto", CPU) == torch.bfloat16
+    assert cpu_precision.kv_cache_dtype("float32", CPU) is None          # the exact mode: the model's dtype
+    assert cpu_precision.kv_cache_dtype("auto", torch.device("cuda")) is None
+
+
+@pytest.mark.slow
+def test_the_engine_resolves_kv_cache_auto_to_bf16_under_dtype_auto_on_a_cpu_without_bf16_hardware(tiny_model,
+                                                                                                  monkeypatch):
+    """--kv-cache-dtype auto: bf16 under --dtype auto (fp32 matmuls here), fp32 under --dtype float32;
+    an explicit --kv-cache-dtype float32 wins over auto's choice."""
+    from pagedserve import LLM
+    monkeypatch.setenv("PAGEDSERVE_CPU_BF16", "0")
+    folder = str(tiny_model("llama"))
+    got = {}
+    for dtype, kv in (("auto", "auto"), ("float32", "auto"), ("auto", "float32")):
+        llm = LLM(folder, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=0.02, swap_space=0)
+        try:
+            runner = llm.engine.executor.runner
+            got[dtype, kv] = (runner.matmul_dtype, runner.kv_dtype)
+        finally:
+            llm.engine.shutdown()
+    assert got == {("auto", "auto"): (None, torch.bfloat16), ("float32", "auto"): (None, torch.float32),
+                   ("auto", "float32"): (None, torch.float32)}
+
+
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
 
