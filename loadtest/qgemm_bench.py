@@ -8,8 +8,9 @@ side runs from cache: a decode step's conditions. For each row count it times al
 alternated per repeat: torch's fp32 GEMM on resident fp32 weights, the native kernel (`direct`), the
 expansion into fp32 followed by the fp32 GEMM (`expand+gemm`), on AVX2 the panel kernel
 (qgemm_panel.cpp, `panels`), and where AVX2 runs, the vector kernel with int16 activations (qgemm_i16.cpp,
-`int16`: --dtype auto's decode steps without bf16 hardware). The crossover of `direct` and the others is
-where GEMM_MAX_ROWS belongs, that of `panels` and `expand+gemm` PANEL_MAX_ROWS.
+`int16`: --dtype auto's decode steps without bf16 hardware) and the panel kernel with int16 activations
+(qgemm_panel_i16.cpp, `panels-i16`: --dtype auto's larger steps there). The crossover of `direct` and the
+others is where GEMM_MAX_ROWS belongs, that of `panels` and `expand+gemm` PANEL_MAX_ROWS.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def main() -> None:
         ways["panels"] = lambda i, x: packed[i]._panel_gemm(lib, x, None)
     if native.cpu_isa() >= native.ISA_LEVELS["avx2"]:
         ways["int16"] = lambda i, x: packed[i]._i16_gemm(lib, x, None)
+        ways["panels-i16"] = lambda i, x: packed[i]._kernel_call(lib.psq_gemm_panel_i16, x, None)
     print(f"isa level {native.cpu_isa()}, {torch.get_num_threads()} threads; ms for all {len(packed)} products")
     print(f"{'rows':>5} " + " ".join(f"{w:>12}" for w in ways) + f" {'direct x':>9}")
     for rows in args.rows:

@@ -113,24 +113,30 @@ def test_the_default_dtype_takes_the_stack_with_the_same_floats(tiny_model, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
 def test_a_batch_beyond_the_vector_kernel_takes_the_panels_in_the_stack(tiny_model, tmp_path, monkeypatch,
-                                                                        force_isa):
-    """48 decodes a step on AVX2: every product on the panel kernel (PackedWeight.kernel_for), inside the
-    stack as in the layers."""
+                                                                        force_isa, dtype):
+    """48 decodes a step on AVX2: every product on the panel kernel (PackedWeight.kernel_for), fp32 or,
+    with --dtype auto's int16 activations (forced, so a CPU with bf16 hardware runs them too), the int16
+    panels; inside the stack as in the layers. The prompts' prefill steps (above 40 rows) take them too."""
     from pagedserve import SamplingParams
-    from gpu_worker.quantization.packed import PANELS
+    from gpu_worker.quantization.packed import PANELS, PANELS_I16
     force_isa("avx2")
     if native.cpu_isa() < native.ISA_LEVELS["avx2"]:
         pytest.skip("this CPU has no avx2")
+    if dtype == "auto":
+        monkeypatch.setenv("PAGEDSERVE_CPU_INT16", "1")
+        monkeypatch.setenv("PAGEDSERVE_CPU_BF16", "0")
     calls = StackCalls(monkeypatch)
     path, folder = _gguf(tiny_model, tmp_path, "llama")
-    llm = _llm(path, folder, max_num_seqs=64)
+    llm = _llm(path, folder, max_num_seqs=64, dtype=dtype)
     try:
         prompts = [[(5 * i + 3 * j) % 700 + 9 for j in range(6 + i % 5)] for i in range(48)]
         sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
         _same_with_and_without(llm, prompts, sp, calls)
         assert 48 in calls.ran, calls.ran
-        assert llm.engine.executor.runner.model.layers[0].mlp.down_proj.packed.kernel_for(48) == PANELS
+        want = PANELS_I16 if dtype == "auto" else PANELS
+        assert llm.engine.executor.runner.model.layers[0].mlp.down_proj.packed.kernel_for(48) == want
     finally:
         llm.engine.shutdown()
 

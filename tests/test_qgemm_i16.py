@@ -1,6 +1,7 @@
-"""kernels/qgemm_i16.cpp: the packed matmul with int16 activations (--dtype auto's decode-sized steps on a
-CPU without bf16 hardware) against a torch reference of the same rounding, each row independent of the
-step's others, and PackedWeight's choice of it."""
+"""kernels/qgemm_i16.cpp and qgemm_panel_i16.cpp: the packed matmuls with int16 activations (--dtype auto's
+steps on a CPU without bf16 hardware: the vector kernel up to decode sizes, the panel kernel beyond) against
+a torch reference of the same rounding, each row independent of the step's others, and PackedWeight's
+choice of them."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,7 @@ from gguf import GGMLQuantizationType as T
 
 from gpu_worker import cpu_precision
 from gpu_worker.kernels import native
-from gpu_worker.quantization.packed import PANELS, VECTOR, VECTOR_I16, GroupQuant, PackedWeight
+from gpu_worker.quantization.packed import PANELS_I16, VECTOR, VECTOR_I16, GroupQuant, PackedWeight
 from tests.gguf_files import gguf_tensor
 
 pytestmark = [pytest.mark.unit,
@@ -44,6 +45,15 @@ def i16(pw: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> 
     return pw._i16_gemm(native.library(), x.contiguous(), bias)
 
 
+def panel_i16(pw: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return pw._kernel_call(native.library().psq_gemm_panel_i16, x.contiguous(), bias)
+
+
+# The vector kernel's rows (every remainder of its 5-row tiles) and the panel kernel's (of its 4-row tiles,
+# up to a prefill chunk's size); N = 37 features leaves the panels' last block of 16 five short.
+KERNELS = {"vector": (i16, (1, 4, 5, 6, 11, 40)), "panels": (panel_i16, (1, 3, 4, 5, 6, 7, 41, 130))}
+
+
 def packed(lo: int, hi: int, group: int, n: int = 37, k: int = 224, seed: int = 0) -> PackedWeight:
     rng = np.random.default_rng(seed)
     return PackedWeight.from_groups(GroupQuant(rng.integers(lo, hi, (n, k)), rng.random((n, k // group), np.float32),
@@ -52,34 +62,39 @@ def packed(lo: int, hi: int, group: int, n: int = 37, k: int = 224, seed: int = 
 
 # 4-bit (unsigned nibbles) and 8-bit (signed) values; groups of 16 keep a run's halves apart; K = 224 is
 # seven runs, so the kernel's run pairs end on a single one.
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("lo,hi,group", [(0, 16, 32), (0, 16, 16), (0, 16, 32 * 7), (-128, 128, 32), (-32, 32, 16)])
-def test_matches_the_reference_rounding(lo, hi, group):
+def test_matches_the_reference_rounding(lo, hi, group, kernel):
     needs_avx2()
     pw = packed(lo, hi, group)
     assert pw.bits == (4 if hi == 16 else 8)
     bias = torch.randn(pw.shape[0])
-    for rows in (1, 4, 5, 6, 11, 40):            # every remainder of the 5-row tiles
+    fn, row_counts = KERNELS[kernel]
+    for rows in row_counts:
         x = torch.randn(rows, pw.shape[1]) * torch.rand(rows, 1) * 10
-        got, want = i16(pw, x, bias).double(), reference(x, pw, bias)
+        got, want = fn(pw, x, bias).double(), reference(x, pw, bias)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), rows
         exact = x.double() @ pw.dequantize().double().t() + bias.double()
         assert (got - exact).abs().max() <= 2e-4 * exact.abs().max(), rows      # int16's rounding is small
 
 
-def test_each_row_is_computed_alone():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_each_row_is_computed_alone(kernel):
     """A row's result is the same bits whatever rows share its step (speculative verification's k + 1 rows
-    against decoding's one)."""
+    against decoding's one; a sequence's prefill chunk against the same tokens in another step)."""
     needs_avx2()
+    fn = KERNELS[kernel][0]
     pw = packed(0, 16, 32, n=64, k=576)
     x = torch.randn(13, 576)
     x[4] *= 1000.0                                 # a row of another scale next to the others
-    full = i16(pw, x)
+    full = fn(pw, x)
     for r in range(13):
-        assert torch.equal(i16(pw, x[r:r + 1]), full[r:r + 1]), r
-    assert torch.equal(i16(pw, x[2:9]), full[2:9])
+        assert torch.equal(fn(pw, x[r:r + 1]), full[r:r + 1]), r
+    assert torch.equal(fn(pw, x[2:9]), full[2:9])
 
 
-def test_zero_runs_and_an_outlier():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_zero_runs_and_an_outlier(kernel):
     """An all-zero run rounds to zeros (no 0/0), so a zero row gives the bias alone; one huge value in a run
     costs only that run its resolution."""
     needs_avx2()
@@ -88,7 +103,7 @@ def test_zero_runs_and_an_outlier():
     x = torch.zeros(2, 128)
     x[1, 40] = 1e6
     x[1, 64:] = torch.randn(64)
-    got = i16(pw, x, bias)
+    got = KERNELS[kernel][0](pw, x, bias)
     assert torch.equal(got[0], bias)
     want = reference(x, pw, bias)
     assert (got[1].double() - want[1]).abs().max() <= 1e-5 * want[1].abs().max()
@@ -96,16 +111,19 @@ def test_zero_runs_and_an_outlier():
 
 def test_gguf_blocks_through_the_matmul(force_isa):
     """GGUF tensors with the flag set: Q4_1 and Q8_0 (SmolLM2's) and Q6_K (groups of 16) go through the
-    kernel at decode sizes, beyond them the fp32 panels; fp8 weights and the portable level keep fp32."""
+    vector kernel at decode sizes, beyond them the int16 panels; fp8 weights and the portable level keep
+    fp32."""
     force_isa("avx2")
     needs_avx2()
     for qtype in (T.Q4_1, T.Q8_0, T.Q6_K):
         pw = gguf_tensor(qtype, 40, 256, seed=2).pack()
         pw.int16_activations = True
         assert pw.kernel_for(1) == pw.kernel_for(pw.max_native_rows()) == VECTOR_I16
-        assert pw.kernel_for(pw.max_native_rows() + 1) == PANELS
+        assert pw.kernel_for(pw.max_native_rows() + 1) == pw.kernel_for(4096) == PANELS_I16
         x = torch.randn(3, 256)
         assert torch.equal(pw.matmul(x), i16(pw, x))
+        x = torch.randn(pw.max_native_rows() + 9, 256)
+        assert torch.equal(pw.matmul(x), panel_i16(pw, x))
     force_isa("portable")
     assert pw.kernel_for(1) == VECTOR
     pw.int16_activations = False
@@ -113,13 +131,26 @@ def test_gguf_blocks_through_the_matmul(force_isa):
     assert pw.kernel_for(1) == VECTOR
 
 
-def test_fp8_weights_are_refused_by_the_kernel():
+@pytest.mark.parametrize("name", ["psq_gemm_i16", "psq_gemm_panel_i16"])
+def test_fp8_weights_are_refused_by_the_kernels(name):
     needs_avx2()
     pw = packed(0, 16, 32, n=4, k=64)
     q, scale, offset, n, group, _ = pw._call
     y = torch.zeros(1, n)
     x = torch.randn(1, 64)
-    assert native.library().psq_gemm_i16(x.data_ptr(), 1, 64, q, scale, offset, n, group, 9, None, y.data_ptr()) == 1
+    fn = getattr(native.library(), name)
+    assert fn(x.data_ptr(), 1, 64, q, scale, offset, n, group, 9, None, y.data_ptr()) == 1
+    assert not y.any()
+
+
+def test_rows_of_part_runs_are_refused_by_the_panels():
+    """K = 48 is one and a half runs of 32 (PackedWeight never makes one; the kernel checks anyway)."""
+    needs_avx2()
+    pw = packed(0, 16, 16, n=4, k=64)
+    q, scale, offset, n, group, bits = pw._call
+    x, y = torch.randn(1, 48), torch.zeros(1, n)
+    assert native.library().psq_gemm_panel_i16(x.data_ptr(), 1, 48, q, scale, offset, n, group, bits, None,
+                                               y.data_ptr()) == 1
     assert not y.any()
 
 

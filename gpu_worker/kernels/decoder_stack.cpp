@@ -6,7 +6,8 @@
 // 15-50 us of module dispatch, tensor allocation and ctypes marshalling around work that, at one row,
 // takes a few microseconds. This file computes nothing of its own: it calls the same kernels in the same
 // order on the same buffers as models/llama.py's layers do (psq_rms_norm, psq_add_rms_norm, psq_gemm,
-// psq_gemm_amx, psq_gemm_panel or psq_gemm_i16, psq_rope, psq_kv_write, psq_paged_attention, psq_silu_mul),
+// psq_gemm_amx, psq_gemm_panel, psq_gemm_i16 or psq_gemm_panel_i16, psq_rope, psq_kv_write,
+// psq_paged_attention, psq_silu_mul),
 // so every float equals the layered path's (tested). gpu_worker/models/native_stack.py says which steps
 // and models it takes.
 #include <stdint.h>
@@ -19,6 +20,8 @@ int psq_gemm_amx(const float* x, int M, int K, const uint8_t* q, const float* sc
                  int G, int bits, const float* bias, float* y, const uint16_t* pre);
 void psq_gemm_panel(const float* x, int M, int K, const uint8_t* q, const float* scale, const float* offset, int N,
                     int G, int bits, const float* bias, float* y);
+int psq_gemm_panel_i16(const float* x, int M, int K, const uint8_t* q, const float* scale, const float* offset,
+                       int N, int G, int bits, const float* bias, float* y);
 int psq_gemm_i16(const float* x, int M, int K, const uint8_t* q, const float* scale, const float* offset, int N,
                  int G, int bits, const float* bias, float* y);
 void psq_rms_norm(const float* x, int rows, int n, const float* w, float eps, void* y, int y_bf16, int isa);
@@ -65,7 +68,7 @@ struct StackStep {
     const int32_t* q_start;     // [seqs + 1]
     int32_t seqs, max_blocks, block_size, kv_dtype;
     int32_t kernel;             // every product's: 0 psq_gemm, 1 psq_gemm_amx (tiles), 2 psq_gemm_panel,
-                                // 3 psq_gemm_i16
+                                // 3 psq_gemm_i16, 4 psq_gemm_panel_i16
     int32_t tile_call_rows;     // the tiles' rows per call (packed.py's AMX_TILE_CALL_ROWS)
     int32_t isa, attention_isa;
     const float* x;             // [rows][hidden] the embeddings
@@ -87,6 +90,10 @@ void gemm(const StackStep& s, const StackWeight& w, const float* x, float* y) {
     }
     if (s.kernel == 3) {        // the caller checked the formats (PackedWeight.kernel_for)
         psq_gemm_i16(x, s.rows, w.k, w.q, w.scale, w.offset, w.n, w.group, w.bits, w.bias, y);
+        return;
+    }
+    if (s.kernel == 4) {        // likewise
+        psq_gemm_panel_i16(x, s.rows, w.k, w.q, w.scale, w.offset, w.n, w.group, w.bits, w.bias, y);
         return;
     }
     for (int r0 = 0; r0 < s.rows; r0 += s.tile_call_rows) {     // as PackedWeight._tiles_gemm splits them

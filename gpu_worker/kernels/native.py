@@ -27,12 +27,13 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = tuple(HERE / f for f in ("qgemm.cpp", "qgemm_panel.cpp", "qgemm_i16.cpp", "qgemm_amx.cpp",
+SOURCES = tuple(HERE / f for f in ("qgemm.cpp", "qgemm_panel.cpp", "qgemm_i16.cpp", "qgemm_panel_i16.cpp", "qgemm_amx.cpp",
                                    "paged_attention.cpp", "rms_norm.cpp", "fp8_round.cpp", "rope.cpp", "silu_mul.cpp",
                                    "kv_write.cpp", "decoder_stack.cpp"))
-HEADERS = (HERE / "fp8.h", HERE / "qweights.h", HERE / "amx.h", HERE / "vec8.h", HERE / "kv_prefetch.h")
+HEADERS = (HERE / "fp8.h", HERE / "qweights.h", HERE / "amx.h", HERE / "vec8.h", HERE / "kv_prefetch.h",
+           HERE / "quantize_i16.h")
 LIBRARY = HERE / "_build" / "libpsq.so"
-ABI_VERSION = 15
+ABI_VERSION = 16
 ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}     # the levels every kernel has
 AMX = 3    # above avx512, the attention kernel's own: AMX-BF16 tiles for bf16 caches (attention_isa)
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
@@ -131,6 +132,8 @@ def library() -> ctypes.CDLL | None:
     lib.psq_gemm_panel.restype = None
     lib.psq_gemm_i16.argtypes = [p, i, i, p, p, p, i, i, i, p, p]
     lib.psq_gemm_i16.restype = i
+    lib.psq_gemm_panel_i16.argtypes = [p, i, i, p, p, p, i, i, i, p, p]
+    lib.psq_gemm_panel_i16.restype = i
     lib.psq_dequantize.argtypes = [p, p, p, i, i, i, i, p, i]
     lib.psq_dequantize.restype = None
     lib.psq_gemm_amx.argtypes = [p, i, i, p, p, p, i, i, i, p, p, p]

@@ -28,12 +28,12 @@ from gpu_worker.attention.cpu_attention import KV_DTYPE_CODES
 from gpu_worker.kernels import native
 from gpu_worker.layers.activation import native_swiglu
 from gpu_worker.parallel import tp
-from gpu_worker.quantization.packed import AMX_TILE_CALL_ROWS, PANELS, TILES, VECTOR, VECTOR_I16, PackedWeight
+from gpu_worker.quantization.packed import AMX_TILE_CALL_ROWS, PANELS, PANELS_I16, TILES, VECTOR, VECTOR_I16, PackedWeight
 from gpu_worker.quantization.packed_linear import PackedLinearMethod
 
 p, i32, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 CACHE_CODES = (KV_DTYPE_CODES[torch.float32], KV_DTYPE_CODES[torch.bfloat16])   # what psq_kv_write takes
-KERNELS = {VECTOR: 0, TILES: 1, PANELS: 2, VECTOR_I16: 3}     # StackStep.kernel
+KERNELS = {VECTOR: 0, TILES: 1, PANELS: 2, VECTOR_I16: 3, PANELS_I16: 4}     # StackStep.kernel
 
 
 class StackWeight(ctypes.Structure):

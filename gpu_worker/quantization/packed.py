@@ -4,7 +4,8 @@ GGUF blocks today, and any 4/8-bit format with per-group scales and zero points,
 w[n, k] = scale[n, g] * q[n, k] + offset[n, g]. Values 0..15 (with K a multiple of 32) are packed two to
 a byte; anything else takes a byte. On the CPU the native kernel (gpu_worker/kernels) expands the values
 in registers for steps of up to `GEMM_MAX_ROWS[isa]` rows, where reading fewer bytes is the whole win; larger
-steps run on AVX2 the panel kernel up to PANEL_MAX_ROWS, else expand the weight once into fp32 and use the
+steps run on AVX2 the panel kernel up to PANEL_MAX_ROWS (with `--dtype auto`'s int16 activations, its int16
+form at every size), else expand the weight once into fp32 and use the
 BLAS GEMM, or, in `--dtype auto` on bf16 hardware, run on a bf16 copy held once (keep_expanded: oneDNN's
 GEMM on it, or on AMX the tile kernel on its own bf16 copy for every step from AMX_NATIVE_MAX_ROWS);
 `kernel_for` says which. Without the native library the same expansion is done in torch, slower, with the
@@ -55,6 +56,13 @@ PANEL_MAX_ROWS = 128
 FP8_BITS = 9         # q holds float8_e4m3fn bytes (the native kernel's code for them)
 VECTOR, TILES, PANELS = "vector", "tiles", "panels"     # the native kernels of a step (kernel_for)
 VECTOR_I16 = "vector_i16"   # the vector kernel's steps with int16 activations (kernels/qgemm_i16.cpp)
+# With int16 activations, every larger step runs the int16 panel kernel (kernels/qgemm_panel_i16.cpp:
+# vpmaddwd, 16 products an operation against an FMA's 8). SmolLM2's 120 products on the 2-core AMD EPYC,
+# ms: 64.8 against 93.3 (vector int16) and 85.8 (fp32 panels) at 41 rows, 89.1 / 105.9 (panels) / 125.7
+# (fp32 GEMM) at 64, 156.0 / 214.7 (fp32 GEMM) at 128, 347.9 / 466.2 at 256, 653.1 / 824.2 at 512
+# (loadtest/results/qgemm_panel_i16_2026-12-07_avx2.txt). It wins from 16 rows, but steps up to
+# GEMM_MAX_ROWS stay on the vector kernel, whose sums it does not reproduce bit for bit (verification).
+PANELS_I16 = "panels_i16"
 
 
 @dataclass
@@ -210,6 +218,8 @@ class PackedWeight:
             y = self._tiles_gemm(lib, x2, bias)
         elif kernel == PANELS:
             y = self._panel_gemm(lib, x2, bias)
+        elif kernel == PANELS_I16:
+            y = self._kernel_call(lib.psq_gemm_panel_i16, x2, bias)
         elif self.expanded is not None:
             y = low_precision_linear(x2, self.expanded, bias)
         else:
@@ -221,16 +231,23 @@ class PackedWeight:
     def kernel_for(self, rows: int) -> str | None:
         """Which native kernel runs an fp32 step of `rows` rows on the CPU (the library loaded): VECTOR
         (qgemm.cpp) up to max_native_rows(), or VECTOR_I16 there with int16 activations on AVX2, then TILES
-        where the AMX copy is held, else PANELS on AVX2 without a bf16 copy up to PANEL_MAX_ROWS; None:
-        oneDNN on the bf16 copy, or the fp32 expansion and torch's GEMM."""
+        where the AMX copy is held, PANELS_I16 with int16 activations, else PANELS on AVX2 without a bf16
+        copy up to PANEL_MAX_ROWS; None: oneDNN on the bf16 copy, or the fp32 expansion and torch's GEMM."""
+        i16 = self._int16()
         if rows <= self.max_native_rows():
-            i16 = self.int16_activations and self.bits in (4, 8) and native.cpu_isa() >= native.ISA_LEVELS["avx2"]
             return VECTOR_I16 if i16 else VECTOR
         if self.tiles is not None:
             return TILES
+        if i16 and self.expanded is None:
+            return PANELS_I16
         if self.expanded is None and rows <= PANEL_MAX_ROWS and native.cpu_isa() == native.ISA_LEVELS["avx2"]:
             return PANELS
         return None
+
+    def _int16(self) -> bool:
+        """Whether this weight's products take int16 activations here: the flag, values the int16 kernels
+        take (4 or 8 bits; from_groups made K whole runs of 32 and groups of 16n) and AVX2."""
+        return self.int16_activations and self.bits in (4, 8) and native.cpu_isa() >= native.ISA_LEVELS["avx2"]
 
     def copy_rows(self) -> int | None:
         """With a low-precision copy (keep_expanded) on the CPU: the largest step the packed kernels run,
