@@ -10,7 +10,7 @@
 // a feature is its weights 2j and 2j+1, one int32 lane), so one vector load gives 8 features' pairs and a
 // broadcast of a row's pair of activations multiplies them all. A micro-tile of MR rows by NF features
 // keeps MR x NV int32 sums in registers over one segment (a run of 32 values, or a group of 16), then
-// folds each into its fp32 sum: * scale[g] * d_r, and at a group's first segment + offset[g] * sum_g x.
+// folds each into its fp32 sum: * scale[g] * d_r; after the last, + offset[g] * sum_g x group by group.
 // Each output is that fixed sequence of fp32 steps from zero, plus the bias at the end, so a row's result
 // does not depend on how many rows share the step or how they are tiled.
 #include <immintrin.h>
@@ -35,33 +35,80 @@ struct Panel {                      // one thread's NF features, widened once a 
     std::vector<int16_t> row;       // [K] one feature's weights in k order, on the way in
 };
 
+// r[i]'s lane j into r[j]'s lane i, for eight vectors of eight int32.
+__attribute__((target("avx2"))) inline void transpose8(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int h = 0; h < 2; ++h) {
+            u[i + 2 * h] = _mm256_unpacklo_epi64(t[i + h], t[i + 2 + h]);
+            u[i + 2 * h + 1] = _mm256_unpackhi_epi64(t[i + h], t[i + 2 + h]);
+        }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+    }
+}
+
+// Features n0+f0..n0+f0+7 into the panel's lanes f0..f0+7: each run of 32 weights is 16 pairs a feature,
+// two vectors of eight; eight features' vectors transposed give eight pairs' vectors of eight features.
 template <int BITS>
-__attribute__((target("avx2,fma"))) void widen(const Args& a, int n0, int features, Panel& p) {
-    const int value_bytes = BITS == 4 ? a.K / 2 : a.K, ng = groups(a), pairs = a.K / 2;
+__attribute__((target("avx2,fma"))) void widen8(const Args& a, int n0, int f0, Panel& p) {
+    const int value_bytes = BITS == 4 ? a.K / 2 : a.K;
+    for (int k = 0; k < a.K; k += 32) {
+        __m256i lo[8], hi[8];
+        for (int i = 0; i < 8; ++i) {
+            __m256i w[2];
+            weight_words<BITS>(a.q + (int64_t)(n0 + f0 + i) * value_bytes, k, w);
+            lo[i] = w[0], hi[i] = w[1];
+        }
+        transpose8(lo);
+        transpose8(hi);
+        int32_t* dst = p.w.data() + (size_t)(k / 2) * NF + f0;
+        for (int j = 0; j < 8; ++j) {
+            _mm256_storeu_si256((__m256i*)(dst + (size_t)j * NF), lo[j]);
+            _mm256_storeu_si256((__m256i*)(dst + (size_t)(8 + j) * NF), hi[j]);
+        }
+    }
+}
+
+// One feature into lane f, pair by pair (a last block's features beyond its whole eights).
+template <int BITS>
+__attribute__((target("avx2,fma"))) void widen1(const Args& a, int64_t n, int f, Panel& p) {
+    const uint8_t* q = a.q + n * (BITS == 4 ? a.K / 2 : a.K);
+    for (int k = 0; k < a.K; k += 32) {
+        __m256i w[2];
+        weight_words<BITS>(q, k, w);
+        _mm256_storeu_si256((__m256i*)(p.row.data() + k), w[0]);
+        _mm256_storeu_si256((__m256i*)(p.row.data() + k + 16), w[1]);
+    }
+    int32_t pair;
+    for (int j = 0; j < a.K / 2; ++j) {
+        memcpy(&pair, p.row.data() + 2 * j, sizeof pair);
+        p.w[(size_t)j * NF + f] = pair;
+    }
+}
+
+// Features n0..n0+features-1 into the panel with their scales and offsets.
+template <int BITS>
+void widen(const Args& a, int n0, int features, Panel& p) {
+    const int ng = groups(a);
     if (features < NF) {             // a last, narrower block: the missing features multiply as zeros
         memset(p.w.data(), 0, sizeof(int32_t) * p.w.size());
         memset(p.scale.data(), 0, sizeof(float) * p.scale.size());
         memset(p.offset.data(), 0, sizeof(float) * p.offset.size());
     }
-    for (int f = 0; f < features; ++f) {
-        const int64_t n = n0 + f;
-        const uint8_t* q = a.q + n * value_bytes;
-        for (int k = 0; k < a.K; k += 32) {
-            __m256i w[2];
-            weight_words<BITS>(q, k, w);
-            _mm256_storeu_si256((__m256i*)(p.row.data() + k), w[0]);
-            _mm256_storeu_si256((__m256i*)(p.row.data() + k + 16), w[1]);
-        }
-        int32_t pair;
-        for (int j = 0; j < pairs; ++j) {
-            memcpy(&pair, p.row.data() + 2 * j, sizeof pair);
-            p.w[(size_t)j * NF + f] = pair;
-        }
+    int f = 0;
+    for (; f + 8 <= features; f += 8) widen8<BITS>(a, n0, f, p);
+    for (; f < features; ++f) widen1<BITS>(a, n0 + f, f, p);
+    for (f = 0; f < features; ++f)
         for (int g = 0; g < ng; ++g) {
-            p.scale[(size_t)g * NF + f] = a.scale[n * ng + g];
-            p.offset[(size_t)g * NF + f] = a.offset[n * ng + g];
+            p.scale[(size_t)g * NF + f] = a.scale[(int64_t)(n0 + f) * ng + g];
+            p.offset[(size_t)g * NF + f] = a.offset[(int64_t)(n0 + f) * ng + g];
         }
-    }
 }
 
 // One step of the segment loop below: row R's pair at byte offset OFF of k times both weight vectors.
