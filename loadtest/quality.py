@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 
-from gpu_worker.kernels import native
-from gpu_worker.quantization.packed import GEMM_MAX_ROWS
 from loadtest.workload import load_workload
 from pagedserve import LLM, SamplingParams
 
@@ -36,8 +34,10 @@ MODES: dict[str, dict[str, Any]] = {        # row: engine arguments; the first r
 }
 # Prefill in chunks of 64 rows: each chunk reads the earlier ones from the KV cache, in the cache dtype, as
 # decodes do, and 64 rows are beyond the packed vector kernel (GEMM_MAX_ROWS): under --dtype auto on AMX
-# they run on the tile kernel, as decode steps of 9 or more sequences do. The row with steps of 512 rows
-# measures the larger prefill chunks (the tiles on AMX, oneDNN's GEMM on the bf16 copy elsewhere).
+# they run on the tile kernel, as decode steps of 9 or more sequences do, and without bf16 hardware on the
+# int16 panels (kernels/qgemm_panel_i16.cpp), as decode steps of 41 or more do. The row with steps of 512
+# rows measures the larger prefill chunks (the tiles on AMX, oneDNN's GEMM on the bf16 copy with other bf16
+# hardware, the int16 panels without).
 ENGINE = dict(kv_cache_memory=0.25, swap_space=0, max_num_batched_tokens=64, enable_prefix_caching=False)
 
 
@@ -109,7 +109,7 @@ def measure(requests: int = 32, new_tokens: int = 64, model: str | None = None,
         runner = e.engine.executor.runner
         matmuls = str(runner.matmul_dtype or runner.dtype).replace("torch.", "")
         if runner.int16_activations:
-            matmuls += f", int16 x up to {GEMM_MAX_ROWS[native.cpu_isa()]} rows"
+            matmuls += ", int16 x (every packed product)"
         rows[name].update(matmul_dtype=matmuls,
                           kv_cache_dtype=str(runner.kv_dtype).replace("torch.", ""))
         e.engine.shutdown()

@@ -58,9 +58,9 @@ VECTOR, TILES, PANELS = "vector", "tiles", "panels"     # the native kernels of 
 VECTOR_I16 = "vector_i16"   # the vector kernel's steps with int16 activations (kernels/qgemm_i16.cpp)
 # With int16 activations, every larger step runs the int16 panel kernel (kernels/qgemm_panel_i16.cpp:
 # vpmaddwd, 16 products an operation against an FMA's 8). SmolLM2's 120 products on the 2-core AMD EPYC,
-# ms: 64.8 against 93.3 (vector int16) and 85.8 (fp32 panels) at 41 rows, 89.1 / 105.9 (panels) / 125.7
-# (fp32 GEMM) at 64, 156.0 / 214.7 (fp32 GEMM) at 128, 347.9 / 466.2 at 256, 653.1 / 824.2 at 512
-# (loadtest/results/qgemm_panel_i16_2026-12-07_avx2.txt). It wins from 16 rows, but steps up to
+# ms: 69.3 against 85.8 (vector int16) and 87.3 (fp32 panels) at 41 rows, 89.9 against 109.8 (panels) and
+# 129.0 (fp32 GEMM) at 64, 159.9 / 225.0 (fp32 GEMM) at 128, 286.8 / 395.9 at 256, 562.5 / 752.3 at 512
+# (loadtest/results/qgemm_panel_i16_2026-12-07_avx2.txt). It wins from about 20 rows, but steps up to
 # GEMM_MAX_ROWS stay on the vector kernel, whose sums it does not reproduce bit for bit (verification).
 PANELS_I16 = "panels_i16"
 
