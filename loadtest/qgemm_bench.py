@@ -51,7 +51,7 @@ def main() -> None:
         ways["panels"] = lambda i, x: packed[i]._panel_gemm(lib, x, None)
     if native.cpu_isa() >= native.ISA_LEVELS["avx2"]:
         ways["int16"] = lambda i, x: packed[i]._i16_gemm(lib, x, None)
-        ways["panels-i16"] = lambda i, x: packed[i]._kernel_call(lib.psq_gemm_panel_i16, x, None)
+        ways["panels-i16"] = lambda i, x: packed[i]._panel_i16_gemm(lib, x, None)
     print(f"isa level {native.cpu_isa()}, {torch.get_num_threads()} threads; ms for all {len(packed)} products")
     print(f"{'rows':>5} " + " ".join(f"{w:>12}" for w in ways) + f" {'direct x':>9}")
     for rows in args.rows:

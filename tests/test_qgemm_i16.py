@@ -46,7 +46,7 @@ def i16(pw: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> 
 
 
 def panel_i16(pw: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return pw._kernel_call(native.library().psq_gemm_panel_i16, x.contiguous(), bias)
+    return pw._panel_i16_gemm(native.library(), x.contiguous(), bias)
 
 
 # The vector kernel's rows (every remainder of its 5-row tiles) and the panel kernel's (of its 4-row tiles,

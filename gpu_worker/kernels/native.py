@@ -27,9 +27,9 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = tuple(HERE / f for f in ("qgemm.cpp", "qgemm_panel.cpp", "qgemm_i16.cpp", "qgemm_panel_i16.cpp", "qgemm_amx.cpp",
-                                   "paged_attention.cpp", "rms_norm.cpp", "fp8_round.cpp", "rope.cpp", "silu_mul.cpp",
-                                   "kv_write.cpp", "decoder_stack.cpp"))
+SOURCES = tuple(HERE / f for f in ("qgemm.cpp", "qgemm_panel.cpp", "qgemm_i16.cpp", "qgemm_panel_i16.cpp",
+                                   "qgemm_amx.cpp", "paged_attention.cpp", "rms_norm.cpp", "fp8_round.cpp",
+                                   "rope.cpp", "silu_mul.cpp", "kv_write.cpp", "decoder_stack.cpp"))
 HEADERS = (HERE / "fp8.h", HERE / "qweights.h", HERE / "amx.h", HERE / "vec8.h", HERE / "kv_prefetch.h",
            HERE / "quantize_i16.h")
 LIBRARY = HERE / "_build" / "libpsq.so"

@@ -219,7 +219,7 @@ class PackedWeight:
         elif kernel == PANELS:
             y = self._panel_gemm(lib, x2, bias)
         elif kernel == PANELS_I16:
-            y = self._kernel_call(lib.psq_gemm_panel_i16, x2, bias)
+            y = self._panel_i16_gemm(lib, x2, bias)
         elif self.expanded is not None:
             y = low_precision_linear(x2, self.expanded, bias)
         else:
@@ -307,6 +307,10 @@ class PackedWeight:
 
     def _panel_gemm(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self._kernel_call(lib.psq_gemm_panel, x, bias)
+
+    def _panel_i16_gemm(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The panels with x rounded to int16 as _i16_gemm rounds it (kernels/qgemm_panel_i16.cpp)."""
+        return self._kernel_call(lib.psq_gemm_panel_i16, x, bias)
 
     def _tiles_gemm(self, lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W^T on AMX tiles: x and each weight rounded to bf16 as the copy holds them, sums in fp32;
