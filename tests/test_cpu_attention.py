@@ -88,8 +88,8 @@ def test_native_decode_is_used_by_default_on_the_cpu():
                          ids=["batch", "long-decode", "long-run", "runs-across-chunks"])
 def test_native_runs_across_chunks_match_fp64(seqs, block_size, window, softcap, head_dim, isa, force_isa):
     """Contexts of several blocks of 8 or 32, windows that start anywhere, query runs of 1..16 tokens:
-    against the attention written out per token in fp64. Long sequences split their keys into 256-key
-    chunks, merged; a run across a chunk boundary has rows that see nothing of the later one."""
+    against the attention written out per token in fp64. Long sequences split their keys into chunks (128
+    keys), merged; a run across a chunk boundary has rows that see nothing of the later one."""
     force_isa(isa)
     gen = torch.Generator().manual_seed(3)
     num_blocks = sum((c + q + block_size - 1) // block_size for c, q in seqs) + 4
@@ -146,7 +146,7 @@ def test_a_tokens_attention_is_bit_identical_alone_among_drafts_and_in_any_batch
     """Greedy speculation is exact only if a token's attention does not depend on how it is run: decoded
     alone, as one of a verification run of 5, or beside 7 other sequences (which changes how the kernel
     shares its work between threads, and reads all kv heads of a key together). Positions around the
-    256-key chunk boundaries and in the middle of 4-key groups."""
+    chunk boundaries (multiples of 128 keys) and in the middle of 4-key groups."""
     force_isa(isa)
     gen = torch.Generator().manual_seed(5)
     hkv, hq, bs = 3, 9, 16
@@ -154,7 +154,7 @@ def test_a_tokens_attention_is_bit_identical_alone_among_drafts_and_in_any_batch
     table = torch.randperm(400, generator=gen)[:48].to(torch.int32)            # 768 keys
     others = torch.randperm(400, generator=gen)[:48 * 7].to(torch.int32).view(7, 48)
     queries = rand((768, hq, head_dim), torch.float32, gen, CPU)               # the query of each position
-    for pos in (31, 32, 255, 256, 301, 511, 512, 702):
+    for pos in (31, 32, 127, 128, 255, 256, 301, 511, 512, 702):
         alone = _attend_at(k_cache, v_cache, queries[pos:pos + 1], table[None], [pos + 1], [1], window)
         for j in range(5):                                                      # pos as run row j of 5
             run = _attend_at(k_cache, v_cache, queries[pos - j:pos - j + 5], table[None], [pos - j + 5], [5], window)
@@ -167,9 +167,10 @@ def test_a_tokens_attention_is_bit_identical_alone_among_drafts_and_in_any_batch
 
 def _rounded_like_tiles(query, k_cache, v_cache, meta, scale: float, window: int | None) -> torch.Tensor:
     """Attention as the AMX path defines it, in fp64 otherwise: each query times `scale` rounded to bf16;
-    per 256-key chunk (by position) the weights e^(s - the chunk's max) rounded to bf16 before they
+    per chunk of keys (by position) the weights e^(s - the chunk's max) rounded to bf16 before they
     multiply the values, their sum taken unrounded; chunks merged by e^(max - overall max)."""
     bf = lambda x: x.to(torch.bfloat16).double()              # noqa: E731
+    chunk = native.library().psq_attention_chunk()
     hkv, d = k_cache.shape[-2:]
     group = query.shape[1] // hkv
     out = torch.empty_like(query)
@@ -184,8 +185,8 @@ def _rounded_like_tiles(query, k_cache, v_cache, meta, scale: float, window: int
             lo = 0 if window is None else max(0, p - window + 1)
             s = torch.einsum("hd,thd->ht", bf(query[row].double() * scale), k[:p + 1])
             parts = []
-            for c0 in range(0, p + 1, 256):
-                a, b = max(c0, lo), min(c0 + 256, p + 1)
+            for c0 in range(0, p + 1, chunk):
+                a, b = max(c0, lo), min(c0 + chunk, p + 1)
                 if a >= b:
                     continue
                 m = s[:, a:b].max(-1, keepdim=True).values
@@ -205,7 +206,7 @@ def _rounded_like_tiles(query, k_cache, v_cache, meta, scale: float, window: int
 def test_amx_tiles_round_queries_and_weights_to_bf16_and_nothing_else(block_size, hq, hkv, head_dim, window,
                                                                       force_isa):
     """The tile path on a bf16 cache against its definition: mixed decodes, runs of 2..16 query rows
-    (18 query heads over one kv head: 288 rows, more than one 16-row pass), contexts across 256-key
+    (18 query heads over one kv head: 288 rows, more than one 16-row pass), contexts across key
     chunks, block sizes whose 16-key tiles are and are not runs of one block. Against the plain fp64
     attention the mean error is about 3e-4; against this definition it is about 1e-7, except where a
     weight lies at a bf16 rounding boundary and the fp32 and fp64 sums round it apart: one bf16 step of

@@ -33,7 +33,7 @@ SOURCES = tuple(HERE / f for f in ("qgemm.cpp", "qgemm_panel.cpp", "qgemm_i16.cp
 HEADERS = (HERE / "fp8.h", HERE / "qweights.h", HERE / "amx.h", HERE / "vec8.h", HERE / "kv_prefetch.h",
            HERE / "quantize_i16.h")
 LIBRARY = HERE / "_build" / "libpsq.so"
-ABI_VERSION = 16
+ABI_VERSION = 17
 ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}     # the levels every kernel has
 AMX = 3    # above avx512, the attention kernel's own: AMX-BF16 tiles for bf16 caches (attention_isa)
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
@@ -162,6 +162,8 @@ def library() -> ctypes.CDLL | None:
     lib.psq_decoder_stack.restype = i
     lib.psq_amx_ready.argtypes = []
     lib.psq_amx_ready.restype = i
+    lib.psq_attention_chunk.argtypes = []
+    lib.psq_attention_chunk.restype = i
     return lib
 
 

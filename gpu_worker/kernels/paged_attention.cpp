@@ -3,7 +3,7 @@
 //
 // Why a kernel of our own: in torch each such sequence gathers its blocks into a contiguous copy and
 // calls SDPA with a mask, per layer; at a handful of sequences those fixed costs outweigh the arithmetic.
-// Here each sequence reads its keys through the block table in place, a chunk of 256 at a time (fp32
+// Here each sequence reads its keys through the block table in place, a chunk of 128 at a time (fp32
 // and, with AVX2, bf16 entries where they are; fp16 / fp8 converted as they come), and the query rows of each kv head
 // (its tokens times the query heads sharing it) read every key and value once for a group of rows.
 //
@@ -72,7 +72,10 @@ __attribute__((always_inline)) inline float hsum(v8 x) {
 // the end. They are fixed by position alone, never by the batch, the thread count or the query run, so a
 // token's attention is bit-identical whether it is decoded alone or verified among drafts, in any batch:
 // speculation keeps greedy output exactly.
-constexpr int CHUNK = 256;   // keys per chunk: a long sequence's chunks run in parallel
+// 128 rather than 256: a batch of 64 decodes over 553 keys ran 1.13x faster with 128 (1.08x with 256),
+// both with the prefetcher's distance (kv_prefetch.h), measured in the engine (loadtest/results/
+// attention_experiments_2026-12-07_epyc.txt).
+constexpr int CHUNK = 128;   // keys per chunk: a long sequence's chunks run in parallel
 constexpr int TILE = 32;     // keys a prefetch runs ahead
 
 // One cache row (D entries of a token and kv head) as fp32: fp32 rows are used in place.
@@ -725,31 +728,40 @@ void attend_all(const Args& a, Item item, bool amx, bool convert) {
     if (!per_pair) shared.resize(start[a.B] * a.Hkv, R, a.D);
     std::atomic<int64_t> claimed{0};                     // work items handed out (dynamic scheduling)
     const int head_bytes = a.D * entry_bytes(a.kv_dtype);
-    // Lists chunk c of sequence b, kv heads [h0, h0 + n), for s's prefetcher, to be pumped over the item
-    // now starting (`keys` keys): its inner loops pump once per 16 keys and key pair (AMX) or 4 keys.
-    auto plan = [&](Scratch& s, int b, int h0, int n, int c, int keys) {
-        const int64_t calls = (int64_t)n * keys * (amx ? 9 : 4) / 16;
-        s.pf.plan(a.k, a.v, a.tables + (int64_t)b * a.max_blocks, a.bs, a.Hkv, head_bytes, h0, n,
-                  chunk_lo(a, b, c), chunk_hi(a, b, c), calls);
+    // Queues keys [lo, hi) of sequence b, kv heads [h0, h0 + n), on s's prefetcher.
+    auto queue = [&](Scratch& s, int b, int h0, int n, int lo, int hi) {
+        s.pf.extend(a.tables + (int64_t)b * a.max_blocks, head_bytes, h0, n, lo, hi);
+    };
+    // The prefetcher's share of a chunk of `keys` keys over n heads ending `end` queued keys on: the lines
+    // up to a chunk's worth of keys past it, pumped once per 16 keys and key pair (AMX) or 4 keys a head.
+    auto budget = [&](Scratch& s, int64_t end, int n, int keys) {
+        s.pf.budget(end, CHUNK, (int64_t)n * keys * (amx ? 9 : 4) / 16);
     };
 #pragma omp parallel if (parallel)
     {
         Scratch s(R, a.D, nh, convert, amx);
+        s.pf.setup(a.k, a.v, a.bs, a.Hkv, head_bytes);
+        int64_t end = 0;            // keys queued on the prefetcher up to the end of the chunk computing
         TileConfig found{};
         if (amx) tiles_save(&found);
         if (per_pair) {
             Parts own;
             int it = claimed++;
-            while (it < a.B * groups) {
+            for (bool first = true; it < a.B * groups; first = false) {
                 const int next = claimed++;      // claimed now, so its rows stream in while `it` computes
                 const int b = it / groups, h0 = it % groups * nh, rows = (a.q_start[b + 1] - a.q_start[b]) * G;
                 own.resize(chunks[b], R, a.D);
                 for (int c = 0; c < chunks[b]; ++c) {
                     const int lo = chunk_lo(a, b, chunk0[b] + c), hi = chunk_hi(a, b, chunk0[b] + c);
-                    if (c + 1 < chunks[b])
-                        plan(s, b, h0, nh, chunk0[b] + c + 1, hi - lo);
-                    else if (next < a.B * groups)
-                        plan(s, next / groups, next % groups * nh, nh, chunk0[next / groups], hi - lo);
+                    if (c == 0) {                // the queue: the thread's first sequence after its first
+                        if (first) queue(s, b, h0, nh, hi, a.lens[b]);      // chunk, then each next one
+                        if (next < a.B * groups) {
+                            const int nb = next / groups;
+                            queue(s, nb, next % groups * nh, nh, chunk_lo(a, nb, chunk0[nb]), a.lens[nb]);
+                        }
+                    }
+                    if (!first || c > 0) end += hi - lo;     // the thread's first chunk is the queue's origin
+                    budget(s, end, nh, hi - lo);
                     item(a, b, h0, nh, lo, hi, s);
                     s.pf.finish();
                     own.keep(c, s, rows * nh);
@@ -767,7 +779,7 @@ void attend_all(const Args& a, Item item, bool amx, bool convert) {
                 h = (int)(off / chunks[b]), c = chunk0[b] + (int)(off % chunks[b]);
             };
             int64_t w = claimed++;
-            while (w < items) {
+            for (bool first = true; w < items; first = false) {
                 const int64_t next = claimed++;
                 int b, h, c;
                 unit(w, b, h, c);
@@ -775,8 +787,10 @@ void attend_all(const Args& a, Item item, bool amx, bool convert) {
                 if (next < items) {
                     int nb, nh_, nc;
                     unit(next, nb, nh_, nc);
-                    plan(s, nb, nh_, 1, nc, hi - lo);
+                    queue(s, nb, nh_, 1, chunk_lo(a, nb, nc), chunk_hi(a, nb, nc));
                 }
+                if (!first) end += hi - lo;
+                budget(s, end, 1, hi - lo);
                 item(a, b, h, 1, lo, hi, s);
                 s.pf.finish();
                 shared.keep(w, s, (a.q_start[b + 1] - a.q_start[b]) * G);
@@ -809,6 +823,9 @@ int psq_paged_attention(const float* q, const void* k_cache, const void* v_cache
     attend_all(a, pick(isa, D, kv_dtype), takes_amx(isa, D, kv_dtype), converts(isa, kv_dtype));
     return 0;
 }
+
+// Keys per chunk: the AMX path rounds each chunk's weights to bf16 apart (tests follow it).
+int psq_attention_chunk() { return CHUNK; }
 
 // 1 when this CPU has AMX-BF16 (with AVX512-BF16) and the kernel lets this process use the tiles (Linux
 // grants their state on request, once per process); 0 otherwise. Run before any call with isa 3.

@@ -185,7 +185,7 @@ void rows_any(const Args& a, int n0, int n1, int m0, int mt, int isa) {
 
 extern "C" {
 
-int psq_abi_version() { return 16; }
+int psq_abi_version() { return 17; }
 
 // y = x W^T (+ bias). Parallel over output features: each thread streams its own slice of W.
 void psq_gemm(const float* x, int M, int K, const uint8_t* q, const float* scale, const float* offset,
