@@ -1,4 +1,4 @@
-// Streaming the next work item's K/V rows into L2 while the current one computes.
+// Streaming the K/V rows ahead of the chunk computing into L2 while it computes.
 //
 // Why: a decode batch's attention reads every cached key and value once per layer, from blocks laid out
 // anywhere in the cache (the hardware prefetchers cannot follow a block table). Prefetched all at once
