@@ -586,7 +586,7 @@ __attribute__((always_inline)) inline void attend(const Args& a, int b, int h0, 
     // one with the same others whatever the chunk's first key (a window's start moves with the query run)
     const int c0 = X ? k_lo & ~31 : k_lo & ~3, lo = 0, hi = X ? (k_hi - c0 + 31) & ~31 : (k_hi - c0 + 3) & ~3;
     for (int t = lo; t < hi; ++t) s.kp[t] = s.vp[t] = s.zero.data();
-    const bool fetch = !s.pf.ahead;               // else the item before streamed these rows in
+    const bool fetch = !s.pf.ahead;               // else earlier chunks streamed these rows in
     if (fetch) prefetch_tile(a, table, h0, nh, k_lo, std::min(k_hi, k_lo + TILE));
     for (int t = k_lo, blk = k_lo / a.bs, off = k_lo % a.bs; t < k_hi; ++t) {
         const int64_t at = ((int64_t)table[blk] * a.bs + off) * a.Hkv + h0;
