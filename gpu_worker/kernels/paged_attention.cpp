@@ -732,9 +732,11 @@ void attend_all(const Args& a, Item item, bool amx, bool convert) {
     auto queue = [&](Scratch& s, int b, int h0, int n, int lo, int hi) {
         s.pf.extend(a.tables + (int64_t)b * a.max_blocks, head_bytes, h0, n, lo, hi);
     };
-    // The prefetcher's share of a chunk of `keys` keys over n heads ending `end` queued keys on: the lines
-    // up to a chunk's worth of keys past it, pumped once per 16 keys and key pair (AMX) or 4 keys a head.
-    auto budget = [&](Scratch& s, int64_t end, int n, int keys) {
+    // Before a chunk of `keys` keys over n heads: `end` moves to its end among the queued keys (unless it
+    // is the thread's first chunk, the queue's origin), and the prefetcher gets its share: the lines up to
+    // a chunk's worth of keys past that end, pumped once per 16 keys and key pair (AMX) or 4 keys a head.
+    auto advance = [&](Scratch& s, int64_t& end, bool origin, int n, int keys) {
+        if (!origin) end += keys;
         s.pf.budget(end, CHUNK, (int64_t)n * keys * (amx ? 9 : 4) / 16);
     };
 #pragma omp parallel if (parallel)
@@ -760,8 +762,7 @@ void attend_all(const Args& a, Item item, bool amx, bool convert) {
                             queue(s, nb, next % groups * nh, nh, chunk_lo(a, nb, chunk0[nb]), a.lens[nb]);
                         }
                     }
-                    if (!first || c > 0) end += hi - lo;     // the thread's first chunk is the queue's origin
-                    budget(s, end, nh, hi - lo);
+                    advance(s, end, first && c == 0, nh, hi - lo);
                     item(a, b, h0, nh, lo, hi, s);
                     s.pf.finish();
                     own.keep(c, s, rows * nh);
@@ -789,8 +790,7 @@ void attend_all(const Args& a, Item item, bool amx, bool convert) {
                     unit(next, nb, nh_, nc);
                     queue(s, nb, nh_, 1, chunk_lo(a, nb, nc), chunk_hi(a, nb, nc));
                 }
-                if (!first) end += hi - lo;
-                budget(s, end, 1, hi - lo);
+                advance(s, end, first, 1, hi - lo);
                 item(a, b, h, 1, lo, hi, s);
                 s.pf.finish();
                 shared.keep(w, s, (a.q_start[b + 1] - a.q_start[b]) * G);
