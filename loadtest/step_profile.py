@@ -16,6 +16,10 @@ With --decode-batch B: B distinct prompts of --context tokens are prefilled, the
 exactly B tokens are timed (loadtest/roofline.py's decode measurement), split into the linear layers
 (lm_head included), attention (the backend's forward and KV writes), sampling (lm_head, argmax) and the
 rest (norms, rope, residuals, step inputs, Python). #16 asks for attention at most 25% at B = 64, 512.
+
+With --workload-split: the bench's offline row (the shared workload, all requests at once, default flags),
+its steps' time by row count, and the parts of its full 512-row steps (the prefill chunks): which kind of
+step the bench's wall time goes to.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ class StepTimer:
 
     def __init__(self) -> None:
         self.steps: dict[Any, list[float]] = defaultdict(list)
+        self.rows: dict[Any, list[int]] = defaultdict(list)      # each step's rows, beside steps
         self.gemm: dict[tuple[int, str], float] = defaultdict(float)
         self.gemm_calls: dict[tuple[int, str], int] = defaultdict(int)
         self.vocab = -1                 # the lm_head's output features, once the model is known
@@ -54,7 +59,9 @@ class StepTimer:
             t0 = time.perf_counter()
             out = self._execute(runner, sched)
             rows = sched.total_num_tokens
-            self.steps["prefill" if rows > PREFILL_ROWS else rows].append(time.perf_counter() - t0)
+            kind = "prefill" if rows > PREFILL_ROWS else rows
+            self.steps[kind].append(time.perf_counter() - t0)
+            self.rows[kind].append(rows)
             return out
 
         def gemm(weight, fn, x, bias, *extra):
@@ -76,7 +83,7 @@ class StepTimer:
         NativeStack.run = stack
 
     def clear(self) -> None:
-        for d in (self.steps, self.gemm, self.gemm_calls, self.stack):
+        for d in (self.steps, self.rows, self.gemm, self.gemm_calls, self.stack):
             d.clear()
 
     def restore(self) -> None:
@@ -166,6 +173,38 @@ def decode_profile(batch: int, context: int, dtype: str, kv_cache_dtype: str = "
             f"{tok_s:.1f} tok/s\n" + timer.report())
 
 
+ROW_BUCKETS = (1, 16, 24, 40, 64, 256, 512, 1 << 30)     # upper ends: steps of 1, 2-16, 17-24, ...
+
+
+def workload_split(full_rows: int = 512) -> str:
+    """The shared workload offline (loadtest.bench's offline row), each step's wall time summed by its
+    row-count bucket, and the parts of the steps of exactly `full_rows` rows (the token budget)."""
+    from loadtest import pagedserve_runs
+    from loadtest.workload import default_workload_path, load_workload
+    timer, parts = StepTimer(), PartTimer(full_rows)
+    try:
+        t0 = time.perf_counter()
+        pagedserve_runs.run_offline(load_workload(default_workload_path()))
+        wall = time.perf_counter() - t0
+    finally:
+        parts.restore()
+        timer.restore()
+    by: dict[int, list[float]] = defaultdict(list)
+    for kind, ts in timer.steps.items():
+        for t, rows in zip(ts, timer.rows[kind]):
+            by[next(b for b in ROW_BUCKETS if rows <= b)].append(t)
+    lines = [f"offline run of the shared workload: {wall:.1f} s with loading, "
+             f"{sum(map(sum, by.values())):.2f} s in model-runner steps"]
+    lo = 1
+    for b in ROW_BUCKETS:
+        if by.get(b):
+            span = f"{lo}-{b}" if b < 1 << 30 else f"{lo}+"
+            lines.append(f"  rows {span:>8}: {len(by[b]):4} steps, {sum(by[b]):6.2f} s, "
+                         f"{statistics.mean(by[b]) * 1e3:7.1f} ms a step")
+        lo = b + 1
+    return "\n".join(lines) + f"\nthe {full_rows}-row steps:\n" + parts.report()
+
+
 def profile(spec: dict | None, concurrency: int) -> str:
     timer = StepTimer()
     try:
@@ -190,8 +229,12 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512, help="--decode-batch: prompt tokens per sequence")
     p.add_argument("--dtype", default="auto", help="--decode-batch: the engine's --dtype")
     p.add_argument("--kv-cache-dtype", default="auto", help="--decode-batch: the engine's --kv-cache-dtype")
+    p.add_argument("--workload-split", action="store_true",
+                   help="the bench's offline row: step time by row count, and the parts of its 512-row steps")
     args = p.parse_args()
-    if args.decode_batch:
+    if args.workload_split:
+        print(workload_split())
+    elif args.decode_batch:
         print(decode_profile(args.decode_batch, args.context, args.dtype, args.kv_cache_dtype))
     else:
         print(profile(args.speculative_config, args.concurrency))
