@@ -47,7 +47,7 @@ class StepTimer:
 
     def __init__(self) -> None:
         self.steps: dict[Any, list[float]] = defaultdict(list)
-        self.rows: dict[Any, list[int]] = defaultdict(list)      # each step's rows, beside steps
+        self.timeline: list[tuple[int, float]] = []                # every step's (rows, seconds), in order
         self.gemm: dict[tuple[int, str], float] = defaultdict(float)
         self.gemm_calls: dict[tuple[int, str], int] = defaultdict(int)
         self.vocab = -1                 # the lm_head's output features, once the model is known
@@ -59,9 +59,9 @@ class StepTimer:
             t0 = time.perf_counter()
             out = self._execute(runner, sched)
             rows = sched.total_num_tokens
-            kind = "prefill" if rows > PREFILL_ROWS else rows
-            self.steps[kind].append(time.perf_counter() - t0)
-            self.rows[kind].append(rows)
+            took = time.perf_counter() - t0
+            self.steps["prefill" if rows > PREFILL_ROWS else rows].append(took)
+            self.timeline.append((rows, took))
             return out
 
         def gemm(weight, fn, x, bias, *extra):
@@ -83,7 +83,7 @@ class StepTimer:
         NativeStack.run = stack
 
     def clear(self) -> None:
-        for d in (self.steps, self.rows, self.gemm, self.gemm_calls, self.stack):
+        for d in (self.steps, self.gemm, self.gemm_calls, self.stack, self.timeline):
             d.clear()
 
     def restore(self) -> None:
@@ -190,9 +190,8 @@ def workload_split(full_rows: int = 512) -> str:
         parts.restore()
         timer.restore()
     by: dict[int, list[float]] = defaultdict(list)
-    for kind, ts in timer.steps.items():
-        for t, rows in zip(ts, timer.rows[kind]):
-            by[next(b for b in ROW_BUCKETS if rows <= b)].append(t)
+    for rows, t in timer.timeline:
+        by[next(b for b in ROW_BUCKETS if rows <= b)].append(t)
     lines = [f"offline run of the shared workload: {wall:.1f} s with loading, "
              f"{sum(map(sum, by.values())):.2f} s in model-runner steps"]
     lo = 1
