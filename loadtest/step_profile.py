@@ -18,8 +18,8 @@ exactly B tokens are timed (loadtest/roofline.py's decode measurement), split in
 rest (norms, rope, residuals, step inputs, Python). #16 asks for attention at most 25% at B = 64, 512.
 
 With --workload-split: the bench's offline row (the shared workload, all requests at once, default flags),
-its steps' time by row count, and the parts of its full 512-row steps (the prefill chunks): which kind of
-step the bench's wall time goes to.
+its steps' time by row count, each bucket split into parts as above: which kind of step, and which part
+of it, the bench's wall time goes to.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import json
 import statistics
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 from gpu_worker import model_runner
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
@@ -107,15 +107,17 @@ class StepTimer:
 
 
 class PartTimer:
-    """Wraps the parts of a step (in-process engine only) and sums each one's time over the steps of
-    exactly `rows` rows; a part called inside another (the lm_head inside sampling) counts in both."""
+    """Wraps the parts of a step (in-process engine only) and sums each one's time over the steps, keyed by
+    `key(rows)` (steps whose key is None are not counted); a part called inside another (the lm_head inside
+    sampling) counts in both."""
     PARTS = {"linear": (Linear, "forward"), "attention": (TorchAttentionBackend, "forward"),
              "kv write": (TorchAttentionBackend, "write_kv"), "sampling": (model_runner.ModelRunner, "_sample"),
              "native stack": (NativeStack, "run")}
 
-    def __init__(self, rows: int) -> None:
-        self.rows, self.steps, self.step_s = rows, 0, 0.0
-        self.totals: dict[str, float] = defaultdict(float)
+    def __init__(self, key: Callable[[int], int | None]) -> None:
+        self.steps: dict[int, int] = defaultdict(int)
+        self.step_s: dict[int, float] = defaultdict(float)
+        self.totals: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self._now: dict[str, float] = defaultdict(float)
         self._orig = {name: getattr(cls, attr) for name, (cls, attr) in self.PARTS.items()}
         self._execute = model_runner.ModelRunner.execute
@@ -126,11 +128,12 @@ class PartTimer:
             self._now.clear()
             t0 = time.perf_counter()
             out = self._execute(runner, sched)
-            if sched.total_num_tokens == self.rows:
-                self.steps += 1
-                self.step_s += time.perf_counter() - t0
-                for k, v in self._now.items():
-                    self.totals[k] += v
+            k = key(sched.total_num_tokens)
+            if k is not None:
+                self.steps[k] += 1
+                self.step_s[k] += time.perf_counter() - t0
+                for part, v in self._now.items():
+                    self.totals[k][part] += v
             return out
         model_runner.ModelRunner.execute = execute
 
@@ -148,17 +151,17 @@ class PartTimer:
             setattr(cls, attr, self._orig[name])
         model_runner.ModelRunner.execute = self._execute
 
-    def report(self) -> str:
-        n = max(self.steps, 1)
-        lines = [f"  step: {self.step_s / n * 1e3:7.1f} ms ({self.steps} steps of {self.rows} rows)"]
-        for k, v in self.totals.items():
-            lines.append(f"  {k:10}: {v / n * 1e3:7.1f} ms  {v / self.step_s:6.1%}")
+    def report(self, k: int, label: str) -> str:
+        n, step_s = max(self.steps[k], 1), self.step_s[k] or 1.0
+        lines = [f"  step: {step_s / n * 1e3:7.1f} ms ({self.steps[k]} steps of {label})"]
+        for part, v in self.totals[k].items():
+            lines.append(f"  {part:10}: {v / n * 1e3:7.1f} ms  {v / step_s:6.1%}")
         return "\n".join(lines)
 
 
 def decode_profile(batch: int, context: int, dtype: str, kv_cache_dtype: str = "auto") -> str:
     from loadtest import pagedserve_runs, roofline
-    timer = PartTimer(batch)
+    timer = PartTimer(lambda rows: rows if rows == batch else None)
     make = roofline.make_llm
     try:
         kv_gib = max(2.0, 1.5 * batch * (context + 2 * batch + batch * context // 128) * 46e3 / 2**30)
@@ -170,38 +173,39 @@ def decode_profile(batch: int, context: int, dtype: str, kv_cache_dtype: str = "
         roofline.make_llm = make
         timer.restore()
     return (f"decode at batch {batch}, context {ctx:.0f}, --dtype {dtype}, --kv-cache-dtype {kv_cache_dtype}: "
-            f"{tok_s:.1f} tok/s\n" + timer.report())
+            f"{tok_s:.1f} tok/s\n" + timer.report(batch, f"{batch} rows"))
 
 
 ROW_BUCKETS = (1, 16, 24, 40, 64, 256, 512, 1 << 30)     # upper ends: steps of 1, 2-16, 17-24, ...
 
 
-def workload_split(full_rows: int = 512) -> str:
+def bucket(rows: int) -> int:
+    """The upper end of ROW_BUCKETS' bucket that a step of `rows` rows falls in."""
+    return next(b for b in ROW_BUCKETS if rows <= b)
+
+
+def workload_split() -> str:
     """The shared workload offline (loadtest.bench's offline row), each step's wall time summed by its
-    row-count bucket, and the parts of the steps of exactly `full_rows` rows (the token budget)."""
+    row-count bucket, and each bucket's parts (linear, attention, ...): which kind of step, and which part
+    of it, the bench's wall time goes to."""
     from loadtest import pagedserve_runs
     from loadtest.workload import default_workload_path, load_workload
-    timer, parts = StepTimer(), PartTimer(full_rows)
+    parts = PartTimer(bucket)
     try:
         t0 = time.perf_counter()
         pagedserve_runs.run_offline(load_workload(default_workload_path()))
         wall = time.perf_counter() - t0
     finally:
         parts.restore()
-        timer.restore()
-    by: dict[int, list[float]] = defaultdict(list)
-    for rows, t in timer.timeline:
-        by[next(b for b in ROW_BUCKETS if rows <= b)].append(t)
     lines = [f"offline run of the shared workload: {wall:.1f} s with loading, "
-             f"{sum(map(sum, by.values())):.2f} s in model-runner steps"]
+             f"{sum(parts.step_s.values()):.2f} s in model-runner steps"]
     lo = 1
     for b in ROW_BUCKETS:
-        if by.get(b):
+        if parts.steps.get(b):
             span = f"{lo}-{b}" if b < 1 << 30 else f"{lo}+"
-            lines.append(f"  rows {span:>8}: {len(by[b]):4} steps, {sum(by[b]):6.2f} s, "
-                         f"{statistics.mean(by[b]) * 1e3:7.1f} ms a step")
+            lines.append(f"rows {span}: {parts.step_s[b]:6.2f} s\n" + parts.report(b, f"{span} rows"))
         lo = b + 1
-    return "\n".join(lines) + f"\nthe {full_rows}-row steps:\n" + parts.report()
+    return "\n".join(lines)
 
 
 def profile(spec: dict | None, concurrency: int) -> str:
@@ -229,7 +233,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto", help="--decode-batch: the engine's --dtype")
     p.add_argument("--kv-cache-dtype", default="auto", help="--decode-batch: the engine's --kv-cache-dtype")
     p.add_argument("--workload-split", action="store_true",
-                   help="the bench's offline row: step time by row count, and the parts of its 512-row steps")
+                   help="the bench's offline row: step time and its parts by row count")
     args = p.parse_args()
     if args.workload_split:
         print(workload_split())
