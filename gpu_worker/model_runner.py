@@ -28,7 +28,7 @@ from gpu_worker.kernels import native
 from gpu_worker.layers.kv_rotation import CALIBRATION_TEXT, KV_SCALE_HEADROOM, kv_rotation
 from gpu_worker.lora import LoRAManager
 from gpu_worker.parallel import tp
-from gpu_worker.quantization.packed import GEMM_MAX_ROWS, PackedWeight
+from gpu_worker.quantization.packed import GEMM_MAX_ROWS, I16_VECTOR_MAX_ROWS, PackedWeight
 from gpu_worker.sampler import build_sampling_batch, draw, logprob_records, prompt_logprobs
 from gpu_worker.spec_decode import Proposer, build_proposer
 from gpu_worker.spec_decode.proposer import CachePair, fit_drafts
@@ -84,8 +84,13 @@ class ModelRunner:
                      "to bf16; PAGEDSERVE_CPU_ISA=avx512 keeps them fp32)")
         t0 = time.perf_counter()
         self.int16_activations = cpu_precision.int16_activations(config.dtype, self.device)
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        # Speculation keeps every step up to GEMM_MAX_ROWS on the vector kernel, so that a verification
+        # step's rows match plain decoding's bit for bit; without it, larger steps take the panels sooner.
+        vector_rows = None if spec else I16_VECTOR_MAX_ROWS.get(native.cpu_isa())
         self.model = load_model(self.source, self.model_config, self.dtype, self.device, self.max_model_len,
-                                config.quantization, config.load_format, self.matmul_dtype, self.int16_activations)
+                                config.quantization, config.load_format, self.matmul_dtype, self.int16_activations,
+                                vector_rows)
         log.info("loaded %s (%s, %s) in %.1fs", self.source.name, self.model_config.arch, self.dtype,
                  time.perf_counter() - t0)
         self.lora = LoRAManager(self.model, self.model_config.num_layers, config.max_loras, config.max_lora_rank,
@@ -102,7 +107,6 @@ class ModelRunner:
                              "the long factors recomputes keys that the windows have already released")
         self.eos_ids: set[int] = set(self.model_config.eos_token_ids)   # the engine adds the tokenizer's
         self.seqs: dict[str, SequenceState] = {}
-        spec = SpeculativeConfig.parse(config.speculative_config)
         if spec is not None and spec.method == "draft_model" and self.kv_layout.windowed:
             raise ValueError("a draft model reads the target's whole block table, and this model's sliding "
                              "windows release the blocks behind them; use the ngram method")

@@ -100,11 +100,13 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
 
 def load_model(source: ModelSource, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                max_positions: int, quantization: str, load_format: str,
-               matmul_dtype: torch.dtype | None = None, int16_activations: bool = False) -> torch.nn.Module:
+               matmul_dtype: torch.dtype | None = None, int16_activations: bool = False,
+               int16_vector_rows: int | None = None) -> torch.nn.Module:
     """Build the model on `device`, choose its Linear method and fill its weights: the target and a
     draft model are made the same way. `matmul_dtype` (gpu_worker/cpu_precision.py): the dtype every
     Linear's matmuls run in, where it is not `dtype`; `int16_activations`: decode-sized packed products
-    round their input to int16 (the same module)."""
+    round their input to int16 (the same module), on the vector kernel up to `int16_vector_rows` rows
+    where given (PackedWeight.int16_vector_rows)."""
     from gpu_worker.models import build_model
     fmt = read_checkpoint_format(source.quantization_config())
     method = resolve_quantization(quantization, "gguf" if source.kind == "gguf" else fmt and fmt.method)
@@ -117,7 +119,7 @@ def load_model(source: ModelSource, model_config: ModelConfig, dtype: torch.dtyp
                 if matmul_dtype is not None and matmul_dtype != dtype:
                     m.method.use_matmul_dtype(m, matmul_dtype)
                 if int16_activations:
-                    m.method.use_int16_activations(m)
+                    m.method.use_int16_activations(m, int16_vector_rows)
     log.info("model weights resident: %.1f MiB (%s)", weight_bytes(model) / (1 << 20), method)
     return model.eval()
 

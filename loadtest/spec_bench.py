@@ -12,9 +12,9 @@ Workloads:
     (``--shared``).
 The two arms are two engines side by side that run each wave in turn (which first alternates), so the
 machine's drift falls on both alike. Both give identical greedy outputs (asserted), so the ratio compares
-the same work; the one exception is the shared row in `--dtype auto` on bf16 hardware, which is not
-batch-invariant (see main): there the lengths are asserted equal and the `differ` column counts the
-outputs that changed.
+the same work; the exception is a row of more than 8 sequences in `--dtype auto` (the shared row), which
+is not batch-invariant (see main): there the lengths are asserted equal and the `differ` column counts
+the outputs that changed.
 """
 from __future__ import annotations
 
@@ -24,9 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from gpu_worker import cpu_precision
 from gpu_worker.kernels import native
 from loadtest.workload import load_workload
 from pagedserve import LLM, SamplingParams
@@ -134,18 +131,22 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     # Rows are bit-identical with and without drafts only where a token's result does not depend on its
-    # step's other rows: fp32, or `--dtype auto` without bf16 hardware (bf16 and fp16 are not). In bf16
-    # mode a step beyond the packed kernel's rows (prefill chunks, 64 decodes) runs the bf16 GEMM, and
-    # speculation changes which tokens share such steps, so the shared row may differ there (same
-    # lengths, counted in `differ`).
-    invariant = args.dtype == "float32" or (args.dtype == "auto" and
-                                            cpu_precision.matmul_dtype("auto", torch.device("cpu")) is None)
+    # step's other rows: fp32. In `--dtype auto` a step beyond the packed vector kernel's rows runs another
+    # kernel (bf16 hardware: the bf16 GEMM beyond GEMM_MAX_ROWS; without it the int16 panels, which
+    # without speculation take steps from I16_VECTOR_MAX_ROWS + 1 rows), and speculation changes which
+    # tokens share such steps, so the shared row may differ there (same lengths, counted in `differ`).
+    # Up to 8 sequences (I16_VECTOR_MAX_ROWS, AMX_NATIVE_MAX_ROWS) both arms' decodes and verifications
+    # stay on the vector kernel, so the default grounded rows (c1, c8) are asserted identical.
+    invariant = args.dtype == "float32"
+    exact_up_to = 8
     results = []
     for rep in range(args.repeats):          # the machine is shared and noisy: repeat the rows
         for name, (b, s) in measure(args.speculative_config, args, rep).items():
             differ = sum(x != y for x, y in zip(b["outputs"], s["outputs"]))
             assert [len(x) for x in b["outputs"]] == [len(y) for y in s["outputs"]], f"{name}: lengths differ"
-            assert differ == 0 or (not invariant and name == "shared-c64"), f"{name}: outputs differ with speculation"
+            concurrency = int(name.rsplit("-c", 1)[1])
+            assert differ == 0 or not (invariant or concurrency <= exact_up_to), \
+                f"{name}: outputs differ with speculation"
             results.append({"repeat": rep, "row": name, "base_tok_s": b["tok_s"], "spec_tok_s": s["tok_s"],
                             "speedup": s["tok_s"] / b["tok_s"], "tokens": b["tokens"], "differ": differ,
                             "acceptance_rate": s["acceptance_rate"], "mean_accepted_length": s["mean_accepted_length"]})

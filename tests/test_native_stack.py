@@ -94,7 +94,8 @@ def test_decode_steps_through_the_stack_give_the_layered_floats(tiny_model, tmp_
 @pytest.mark.slow
 def test_the_default_dtype_takes_the_stack_with_the_same_floats(tiny_model, tmp_path, monkeypatch):
     """--dtype auto, 12 decodes a step: on AMX the tile kernel on its held bf16 copy (kernel 1) with a bf16
-    cache, on AVX2 the vector kernel with int16 activations; the stack's floats are the layers' either way."""
+    cache, on AVX2 int16 activations (without speculation the panels from I16_VECTOR_MAX_ROWS on); the
+    stack's floats are the layers' either way."""
     from pagedserve import SamplingParams
     calls = StackCalls(monkeypatch)
     path, folder = _gguf(tiny_model, tmp_path, "llama")
@@ -107,7 +108,10 @@ def test_the_default_dtype_takes_the_stack_with_the_same_floats(tiny_model, tmp_
         down = llm.engine.executor.runner.model.layers[0].mlp.down_proj.packed
         assert (down.tiles is not None) == native.uses_amx()       # the AMX path where this CPU has it
         if bf16_hardware() is None:
-            assert down.kernel_for(12) == VECTOR_I16
+            from gpu_worker.quantization.packed import I16_VECTOR_MAX_ROWS, PANELS_I16
+            vector_rows = I16_VECTOR_MAX_ROWS.get(native.cpu_isa())
+            assert down.int16_vector_rows == vector_rows
+            assert down.kernel_for(12) == (VECTOR_I16 if vector_rows is None or vector_rows >= 12 else PANELS_I16)
     finally:
         llm.engine.shutdown()
 
@@ -184,6 +188,8 @@ def test_int16_activations_in_the_stack_and_in_verification(tiny_model, tmp_path
                                                              "prompt_lookup_max": 3})
     try:
         assert _outputs(llm, loop, sp) == decoded
+        # speculation keeps every step up to GEMM_MAX_ROWS on the vector kernel
+        assert llm.engine.executor.runner.model.layers[0].mlp.down_proj.packed.int16_vector_rows is None
         assert llm.stats.spec_num_draft_tokens > 0     # (SmolLM2 accepts them: test_spec_decode's default model)
         _same_with_and_without(llm, loop, sp, calls)
         assert max(calls.ran) > 2, calls.ran       # more rows than sequences: drafts verified in it

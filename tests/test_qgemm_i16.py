@@ -124,8 +124,12 @@ def test_gguf_blocks_through_the_matmul(force_isa):
         assert torch.equal(pw.matmul(x), i16(pw, x))
         x = torch.randn(pw.max_native_rows() + 9, 256)
         assert torch.equal(pw.matmul(x), panel_i16(pw, x))
+    pw.int16_vector_rows = 8          # no speculation (model_runner): the panels from 9 rows
+    assert pw.kernel_for(8) == VECTOR_I16 and pw.kernel_for(9) == PANELS_I16
+    x = torch.randn(9, 256)
+    assert torch.equal(pw.matmul(x), panel_i16(pw, x))
     force_isa("portable")
-    assert pw.kernel_for(1) == VECTOR
+    assert pw.kernel_for(1) == pw.kernel_for(9) == VECTOR
     pw.int16_activations = False
     force_isa("avx2")
     assert pw.kernel_for(1) == VECTOR

@@ -56,9 +56,10 @@ class LinearMethod:
         if w.dtype != dtype:
             layer.weight = nn.Parameter(w.detach().to(dtype), requires_grad=False)
 
-    def use_int16_activations(self, layer: "Linear") -> None:
+    def use_int16_activations(self, layer: "Linear", vector_rows: int | None = None) -> None:
         """Let this layer's decode-sized products round their input to int16 (gpu_worker/cpu_precision.py:
-        --dtype auto on a CPU without bf16 hardware). Only packed weights have a kernel for it: plain
+        --dtype auto on a CPU without bf16 hardware), the vector kernel taking steps of up to `vector_rows`
+        rows where given (PackedWeight.int16_vector_rows). Only packed weights have a kernel for it: plain
         ones stay as they are."""
 
     def bf16_input_rows(self, layer: "Linear") -> int | None:

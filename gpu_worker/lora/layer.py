@@ -59,8 +59,8 @@ class LoRALinearMethod(LinearMethod):
     def use_matmul_dtype(self, layer: Linear, dtype: torch.dtype) -> None:
         self.base.use_matmul_dtype(layer, dtype)
 
-    def use_int16_activations(self, layer: Linear) -> None:
-        self.base.use_int16_activations(layer)
+    def use_int16_activations(self, layer: Linear, vector_rows: int | None = None) -> None:
+        self.base.use_int16_activations(layer, vector_rows)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         y = self.base.apply(layer, x)

@@ -60,9 +60,16 @@ VECTOR_I16 = "vector_i16"   # the vector kernel's steps with int16 activations (
 # vpmaddwd, 16 products an operation against an FMA's 8). SmolLM2's 120 products on the 2-core AMD EPYC,
 # ms: 69.3 against 85.8 (vector int16) and 87.3 (fp32 panels) at 41 rows, 89.9 against 109.8 (panels) and
 # 129.0 (fp32 GEMM) at 64, 159.9 / 225.0 (fp32 GEMM) at 128, 286.8 / 395.9 at 256, 562.5 / 752.3 at 512
-# (loadtest/results/qgemm_panel_i16_2026-12-07_avx2.txt). It wins from about 20 rows, but steps up to
-# GEMM_MAX_ROWS stay on the vector kernel, whose sums it does not reproduce bit for bit (verification).
+# (loadtest/results/qgemm_panel_i16_2026-12-07_avx2.txt). It does not reproduce the vector kernel's sums
+# bit for bit, so with speculation steps up to GEMM_MAX_ROWS stay on the vector kernel (verification).
 PANELS_I16 = "panels_i16"
+# Without speculation no step's rows need to match a single decode's bit for bit, so with int16 activations
+# the vector kernel keeps only the steps it runs faster, per ISA level (measured on AVX2 only). SmolLM2's
+# 120 products on the 2-core AMD EPYC, vector int16 against the int16 panels, ms, three runs: 18.7-19.9
+# against 19.7-20.0 at 8 rows, 23.8-26.3 against 22.6-24.4 at 10, 27.2-31.8 against 24.4-26.3 at 12,
+# 33.1-43.1 against 29.0-33.0 at 16, 52.0-72.1 against 36.8-46.2 at 24
+# (loadtest/results/qgemm_i16_crossover_2026-12-07_epyc.txt).
+I16_VECTOR_MAX_ROWS = {1: 8}
 
 
 @dataclass
@@ -124,6 +131,7 @@ class PackedWeight:
     native_max_rows: int | None = None      # the native kernel's last step size, if not GEMM_MAX_ROWS[isa]
     tiles: torch.Tensor | None = None       # AMX: bf16 bits in the tile kernel's layout, for steps beyond it
     int16_activations: bool = False         # the vector kernel's steps round x to int16 (cpu_precision.py)
+    int16_vector_rows: int | None = None    # with them, the vector kernel's last step size if not max_native_rows()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -230,12 +238,15 @@ class PackedWeight:
 
     def kernel_for(self, rows: int) -> str | None:
         """Which native kernel runs an fp32 step of `rows` rows on the CPU (the library loaded): VECTOR
-        (qgemm.cpp) up to max_native_rows(), or VECTOR_I16 there with int16 activations on AVX2, then TILES
+        (qgemm.cpp) up to max_native_rows(), or VECTOR_I16 there with int16 activations on AVX2 (up to
+        int16_vector_rows where that is set: no speculation), then TILES
         where the AMX copy is held, PANELS_I16 with int16 activations, else PANELS on AVX2 without a bf16
         copy up to PANEL_MAX_ROWS; None: oneDNN on the bf16 copy, or the fp32 expansion and torch's GEMM."""
         i16 = self._int16()
-        if rows <= self.max_native_rows():
-            return VECTOR_I16 if i16 else VECTOR
+        if i16 and rows <= min(self.max_native_rows(), self.int16_vector_rows or rows):
+            return VECTOR_I16
+        if not i16 and rows <= self.max_native_rows():
+            return VECTOR
         if self.tiles is not None:
             return TILES
         if i16 and self.expanded is None:

@@ -67,9 +67,10 @@ class PackedLinearMethod(LinearMethod):
         elif "weight" in layer._parameters:      # a layer that stayed plain
             super().use_matmul_dtype(layer, dtype)
 
-    def use_int16_activations(self, layer: Linear) -> None:
+    def use_int16_activations(self, layer: Linear, vector_rows: int | None = None) -> None:
         if layer.packed is not None:
             layer.packed.int16_activations = True
+            layer.packed.int16_vector_rows = vector_rows
 
     def bf16_input_rows(self, layer: Linear) -> int | None:
         """The steps the bf16 copy runs (PackedWeight.copy_rows), unless the product is then summed across
