@@ -35,7 +35,8 @@ MODES: dict[str, dict[str, Any]] = {        # row: engine arguments; the first r
 # Prefill in chunks of 64 rows: each chunk reads the earlier ones from the KV cache, in the cache dtype, as
 # decodes do, and 64 rows are beyond the packed vector kernel (GEMM_MAX_ROWS): under --dtype auto on AMX
 # they run on the tile kernel, as decode steps of 9 or more sequences do, and without bf16 hardware on the
-# int16 panels (kernels/qgemm_panel_i16.cpp), as decode steps of 41 or more do. The row with steps of 512
+# int16 panels (kernels/qgemm_panel_i16.cpp), as decode steps of 9 or more do (41 or more with
+# speculation: packed.I16_VECTOR_MAX_ROWS). The row with steps of 512
 # rows measures the larger prefill chunks (the tiles on AMX, oneDNN's GEMM on the bf16 copy with other bf16
 # hardware, the int16 panels without).
 ENGINE = dict(kv_cache_memory=0.25, swap_space=0, max_num_batched_tokens=64, enable_prefix_caching=False)
