@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_worker.kernels import native
+from gpu_worker.quantization.packed import AMX_NATIVE_MAX_ROWS, I16_VECTOR_MAX_ROWS
 from loadtest.workload import load_workload
 from pagedserve import LLM, SamplingParams
 
@@ -135,10 +136,10 @@ def main() -> None:
     # kernel (bf16 hardware: the bf16 GEMM beyond GEMM_MAX_ROWS; without it the int16 panels, which
     # without speculation take steps from I16_VECTOR_MAX_ROWS + 1 rows), and speculation changes which
     # tokens share such steps, so the shared row may differ there (same lengths, counted in `differ`).
-    # Up to 8 sequences (I16_VECTOR_MAX_ROWS, AMX_NATIVE_MAX_ROWS) both arms' decodes and verifications
-    # stay on the vector kernel, so the default grounded rows (c1, c8) are asserted identical.
+    # Up to this many sequences both arms' decodes and verifications stay on the vector kernel, so the
+    # default grounded rows (c1, c8) are asserted identical.
     invariant = args.dtype == "float32"
-    exact_up_to = 8
+    exact_up_to = min(AMX_NATIVE_MAX_ROWS, *I16_VECTOR_MAX_ROWS.values())
     results = []
     for rep in range(args.repeats):          # the machine is shared and noisy: repeat the rows
         for name, (b, s) in measure(args.speculative_config, args, rep).items():

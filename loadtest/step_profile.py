@@ -47,7 +47,6 @@ class StepTimer:
 
     def __init__(self) -> None:
         self.steps: dict[Any, list[float]] = defaultdict(list)
-        self.timeline: list[tuple[int, float]] = []                # every step's (rows, seconds), in order
         self.gemm: dict[tuple[int, str], float] = defaultdict(float)
         self.gemm_calls: dict[tuple[int, str], int] = defaultdict(int)
         self.vocab = -1                 # the lm_head's output features, once the model is known
@@ -59,9 +58,7 @@ class StepTimer:
             t0 = time.perf_counter()
             out = self._execute(runner, sched)
             rows = sched.total_num_tokens
-            took = time.perf_counter() - t0
-            self.steps["prefill" if rows > PREFILL_ROWS else rows].append(took)
-            self.timeline.append((rows, took))
+            self.steps["prefill" if rows > PREFILL_ROWS else rows].append(time.perf_counter() - t0)
             return out
 
         def gemm(weight, fn, x, bias, *extra):
@@ -83,7 +80,7 @@ class StepTimer:
         NativeStack.run = stack
 
     def clear(self) -> None:
-        for d in (self.steps, self.gemm, self.gemm_calls, self.stack, self.timeline):
+        for d in (self.steps, self.gemm, self.gemm_calls, self.stack):
             d.clear()
 
     def restore(self) -> None:
