@@ -17,9 +17,9 @@ exactly B tokens are timed (loadtest/roofline.py's decode measurement), split in
 (lm_head included), attention (the backend's forward and KV writes), sampling (lm_head, argmax) and the
 rest (norms, rope, residuals, step inputs, Python). #16 asks for attention at most 25% at B = 64, 512.
 
-With --workload-split: the bench's offline row (the shared workload, all requests at once, default flags),
-its steps' time by row count, each bucket split into parts as above: which kind of step, and which part
-of it, the bench's wall time goes to.
+With --workload-split: the bench's offline row (the shared workload, all requests at once; `--dtype float32` for
+its exact-mode twin), its steps' time by row count, each bucket split into parts as above: which kind of step,
+and which part of it, the bench's wall time goes to.
 """
 from __future__ import annotations
 
@@ -181,20 +181,20 @@ def bucket(rows: int) -> int:
     return next(b for b in ROW_BUCKETS if rows <= b)
 
 
-def workload_split() -> str:
-    """The shared workload offline (loadtest.bench's offline row), each step's wall time summed by its
-    row-count bucket, and each bucket's parts (linear, attention, ...): which kind of step, and which part
-    of it, the bench's wall time goes to."""
+def workload_split(dtype: str = "auto") -> str:
+    """The shared workload offline (loadtest.bench's offline row, or its `--dtype float32` twin), each
+    step's wall time summed by its row-count bucket, and each bucket's parts (linear, attention, ...):
+    which kind of step, and which part of it, the bench's wall time goes to."""
     from loadtest import pagedserve_runs
     from loadtest.workload import default_workload_path, load_workload
     parts = PartTimer(bucket)
     try:
         t0 = time.perf_counter()
-        pagedserve_runs.run_offline(load_workload(default_workload_path()))
+        pagedserve_runs.run_offline(load_workload(default_workload_path()), dtype=dtype)
         wall = time.perf_counter() - t0
     finally:
         parts.restore()
-    lines = [f"offline run of the shared workload: {wall:.1f} s with loading, "
+    lines = [f"offline run of the shared workload (--dtype {dtype}): {wall:.1f} s with loading, "
              f"{sum(parts.step_s.values()):.2f} s in model-runner steps"]
     lo = 1
     for b in ROW_BUCKETS:
@@ -227,13 +227,13 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--decode-batch", type=int, default=None, help="profile decode steps of this many sequences")
     p.add_argument("--context", type=int, default=512, help="--decode-batch: prompt tokens per sequence")
-    p.add_argument("--dtype", default="auto", help="--decode-batch: the engine's --dtype")
+    p.add_argument("--dtype", default="auto", help="--decode-batch / --workload-split: the engine's --dtype")
     p.add_argument("--kv-cache-dtype", default="auto", help="--decode-batch: the engine's --kv-cache-dtype")
     p.add_argument("--workload-split", action="store_true",
                    help="the bench's offline row: step time and its parts by row count")
     args = p.parse_args()
     if args.workload_split:
-        print(workload_split())
+        print(workload_split(args.dtype))
     elif args.decode_batch:
         print(decode_profile(args.decode_batch, args.context, args.dtype, args.kv_cache_dtype))
     else:

@@ -196,7 +196,8 @@ void psq_gemm(const float* x, int M, int K, const uint8_t* q, const float* scale
     // Features a call runs: 16 (8% faster than 4 at 32 rows on 2 Xeon cores, the row tiles reusing the
     // block's weights from cache), fewer where there would be under 4 blocks a thread to balance.
     const int block = std::max(4, std::min(16, N / (4 * omp_get_max_threads())));
-#pragma omp parallel for schedule(static) if (work > (1 << 16))
+    // guided for the reason psq_gemm_i16 gives (1.02-1.08x at 1-40 rows, loadtest/results/omp_schedule_*).
+#pragma omp parallel for schedule(guided) if (work > (1 << 16))
     for (int n0 = 0; n0 < N; n0 += block)
         for (int m0 = 0; m0 < M; m0 += tile)
             rows_any(a, n0, n0 + block < N ? n0 + block : N, m0, M - m0 < tile ? M - m0 : tile, isa);

@@ -125,7 +125,10 @@ int psq_gemm_i16(const float* x, int M, int K, const uint8_t* q, const float* sc
     const Quantized xv = quantize_rows(x, M, K, G);
     const int64_t work = (int64_t)N * K * std::min(M, TILE);
     const int block = std::max(4, std::min(16, N / (4 * omp_get_max_threads())));   // as psq_gemm's
-#pragma omp parallel for schedule(static) if (work > (1 << 16))
+    // guided, not static: large contiguous claims first (the weights stream in order), smaller ones at the
+    // end, so a core slowed for a while by the shared VM does not leave the other waiting: 1.01-1.16x at
+    // 1-8 rows, alternated call by call (dynamic 2: 0.91-1.03x; loadtest/results/omp_schedule_*.txt).
+#pragma omp parallel for schedule(guided) if (work > (1 << 16))
     for (int n0 = 0; n0 < N; n0 += block)
         for (int m0 = 0; m0 < M; m0 += TILE)
             rows_any(a, xv, n0, std::min(n0 + block, N), m0, std::min(M - m0, TILE));
