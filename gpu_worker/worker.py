@@ -13,7 +13,7 @@ import traceback
 import zmq
 
 from common.config import EngineConfig
-from common.process import die_with_parent
+from common.process import die_with_parent, freeze_startup_heap
 from common.protocol import STARTUP_TIMEOUT_S, Hello, ModelRunnerOutput, SchedulerOutput, WorkerInit, WorkerReady, decode, encode
 
 log = logging.getLogger("pagedserve.worker")
@@ -38,6 +38,7 @@ def run_worker(config: EngineConfig, address: str, rank: int = 0, dist_init_addr
             raise SystemExit("a worker of a tensor-parallel group needs --dist-init-addr HOST:PORT")
         init_tensor_parallel(rank, size, dist_init_addr or "", resolve_device(config.device), STARTUP_TIMEOUT_S)
         runner = ModelRunner(config)
+        freeze_startup_heap()
         if not serve_steps(sock, monitor, runner, rank, size):
             sys.exit(1)        # without tearing the group down: a peer is gone, a barrier would wait for it
         shutdown_tensor_parallel()

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from common.chat_template import load_chat_template
 from common.model_source import ModelSource
+from common.process import freeze_startup_heap
 from common.protocol import HEARTBEAT_S
 from router.app import ABORT_GRACE_S, STATE, build_app, drain
 from router.config import RouterConfig, runtime_lora_updating_allowed
@@ -56,6 +57,7 @@ async def _serve(config: RouterConfig) -> None:
                     response_role=config.response_role, cors=cors, docs=not config.disable_fastapi_docs,
                     auto_tool_choice=config.enable_auto_tool_choice, tool_call_parser=config.tool_call_parser)
     runner = await _start_site(app, config)
+    freeze_startup_heap()
     log.info("router %s serving %s on http://%s:%s", client.client_id, app[STATE].model_name, config.host,
              config.port)
     stop = _stop_on_signals()

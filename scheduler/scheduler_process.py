@@ -18,7 +18,7 @@ import zmq
 from common.config import EngineConfig
 from common.lora import LoRAError
 from common.model_source import ModelSource, eos_token_ids
-from common.process import die_with_parent
+from common.process import die_with_parent, freeze_startup_heap
 from common.protocol import (CLIENT_TTL_S, HEARTBEAT_S, AbortRequests, Ack, EngineOutput, EngineOutputs,
                              EngineRequest, Hello, LoadLoRA, SchedulerOutput, Stats, UnloadLoRA, decode, encode)
 from common.sampling_params import SamplingParams
@@ -287,5 +287,6 @@ def run_scheduler(config: EngineConfig, frontend: str, workers: str, num_workers
     """Runs until SIGTERM (exit 0) or a worker's death (exit 1, after failing every request)."""
     die_with_parent()
     proc = SchedulerProcess(config, frontend, workers, num_workers, ready_file)
+    freeze_startup_heap()
     proc.run()
     sys.exit(proc.exit_code)
