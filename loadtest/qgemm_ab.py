@@ -17,13 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from gpu_worker.kernels import native
-from gpu_worker.quantization.packed import GroupQuant, PackedWeight
+from gpu_worker.quantization.packed import PackedWeight
 from loadtest.attention_ab import checkout
-from loadtest.qgemm_bench import SHAPES
+from loadtest.qgemm_bench import SHAPES, layers
 
 # kernel -> takes an isa argument last (psq_gemm)
 KERNELS = {"psq_gemm": True, "psq_gemm_i16": False, "psq_gemm_panel": False, "psq_gemm_panel_i16": False}
@@ -38,13 +37,6 @@ def build(tree: Path, out: Path, kernel: str) -> ctypes.CDLL:
     fn = getattr(lib, kernel)
     fn.argtypes = [p, i, i, p, p, p, i, i, i, p, p] + ([i] if KERNELS[kernel] else [])
     return lib
-
-
-def products() -> list[PackedWeight]:
-    rng = np.random.default_rng(0)
-    return [PackedWeight.from_groups(GroupQuant(rng.integers(0, 16, (n, k)), rng.random((n, k // 32), np.float32),
-                                                rng.random((n, k // 32), np.float32), 32))
-            for _ in range(30) for n, k in SHAPES]
 
 
 def compare(libs: list[ctypes.CDLL], kernel: str, weights: list[PackedWeight], rows: int, rounds: int) -> str:
@@ -87,7 +79,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rev_tree = checkout(args.rev, Path(tmp) / "rev")
         libs = [build(rev_tree, Path(tmp) / "rev.so", args.kernel), build(root, Path(tmp) / "tree.so", args.kernel)]
-        weights = products()
+        weights = layers()
         print(f"{args.kernel}: {args.rev} against the working tree, {torch.get_num_threads()} threads, "
               f"all {len(weights)} products a round, {args.rounds} rounds")
         for rows in args.rows:
