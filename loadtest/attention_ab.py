@@ -29,7 +29,7 @@ CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 
 
 def build(tree: Path, out: Path) -> ctypes.CDLL:
-    subprocess.run(["g++", *native._FLAGS, str(tree / KERNEL), "-o", str(out)], check=True)
+    native.compile_library([tree / KERNEL], out)
     lib = ctypes.CDLL(str(out))
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.psq_paged_attention.argtypes = [p, p, p, i, p, i, p, p, i, i, i, i, i, f, p, i, f, p, i]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -30,8 +29,7 @@ KERNELS = {"psq_gemm": True, "psq_gemm_i16": False, "psq_gemm_panel": False, "ps
 
 def build(tree: Path, out: Path, kernel: str) -> ctypes.CDLL:
     """The library from `tree`'s kernel sources, with `kernel`'s argument types set."""
-    sources = [str(tree / s.relative_to(native.HERE.parents[1])) for s in native.SOURCES]
-    subprocess.run(["g++", *native._FLAGS, *sources, "-o", str(out)], check=True)
+    native.compile_library([tree / s.relative_to(native.HERE.parents[1]) for s in native.SOURCES], out)
     lib = ctypes.CDLL(str(out))
     p, i = ctypes.c_void_p, ctypes.c_int
     fn = getattr(lib, kernel)

@@ -21,6 +21,7 @@ import subprocess
 import sys
 from functools import lru_cache
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -43,14 +44,20 @@ def build(force: bool = False) -> Path:
     """Compile the library if it is missing or older than its source; returns its path."""
     if not force and not _stale():
         return LIBRARY
+    LIBRARY.parent.mkdir(exist_ok=True)
+    tmp = LIBRARY.with_suffix(f".{os.getpid()}.tmp")
+    compile_library(SOURCES, tmp)
+    tmp.replace(LIBRARY)     # atomic: a concurrently starting worker never loads half a file
+    return LIBRARY
+
+
+def compile_library(sources: Sequence[Path], out: Path) -> None:
+    """Compile `sources` into the shared library `out` as the project's library is built (the A/B tools in
+    loadtest/ build other trees' kernels with it)."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) found")
-    LIBRARY.parent.mkdir(exist_ok=True)
-    tmp = LIBRARY.with_suffix(f".{os.getpid()}.tmp")
-    subprocess.run([cxx, *_FLAGS, *map(str, SOURCES), "-o", str(tmp)], check=True)
-    tmp.replace(LIBRARY)     # atomic: a concurrently starting worker never loads half a file
-    return LIBRARY
+    subprocess.run([cxx, *_FLAGS, *map(str, sources), "-o", str(out)], check=True)
 
 
 def _stale() -> bool:
